@@ -1,0 +1,71 @@
+"""`hartsc TREES -o PLAN`: compile a step's trajectories into an execution plan."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from harts.compiler.pipeline import LEVELS, PLANNERS, CompileOptions, compile_batch
+from harts.schema.errors import HartsError
+from harts.schema.plan import atomic_write_bytes, encode_plan
+from harts.schema.summary import plan_statistics
+
+
+def timing_path(plan_path: str | Path) -> Path:
+    """Planning time lives beside the plan, so that the plan itself stays byte-identical across runs."""
+    plan_path = Path(plan_path)
+    return plan_path.with_name(plan_path.name + ".timing.json")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hartsc", description="Compile rollout trajectories (trees.jsonl) into a HARTS plan.")
+    p.add_argument("trees", help="input trajectories: trees.jsonl or trees.jsonl.zst (see docs/contract)")
+    p.add_argument("-o", "--output", required=True, help="plan file to write (atomically)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel degree D (default 1)")
+    p.add_argument("--capacity", type=int, default=65536, help="compact-token capacity T per microbatch (default 65536)")
+    p.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk length B; must match the model backend (default 64)")
+    p.add_argument("--planner", choices=PLANNERS, default="harts", help="harts: two-level planner (default); ffd: OR-Tools+FFD comparison")
+    p.add_argument("--levels", choices=LEVELS, default="l1", help="l1: stop after L1 microbatches (default while L2 is not built); l1+l2: add sharing windows")
+    p.add_argument("--seed", type=int, default=0, help="seed for randomised search (default 0)")
+    p.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= this (default: no check)")
+    p.add_argument("--debug", action="store_true", help="verify the IR after every pass (slow at paper scale)")
+    p.add_argument("--json", action="store_true", help="print the plan statistics as one JSON object on stdout")
+    p.add_argument("-v", "--verbose", action="store_true", help="explain each pass's decisions, one line per pass")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    options = CompileOptions(dp=args.dp, capacity=args.capacity, chunk_size=args.chunk_size, planner=args.planner,
+                             levels=args.levels, seed=args.seed, vocab_size=args.vocab_size, verify=args.debug)
+    try:
+        from harts.compiler.read_trees import read_trees
+        t0 = time.perf_counter()
+        batch = read_trees(args.trees, vocab_size=args.vocab_size, capacity=args.capacity)
+        read_seconds = time.perf_counter() - t0
+        result = compile_batch(batch, options)
+        data = encode_plan(result.plan)
+        atomic_write_bytes(Path(args.output), data)
+        planning = result.planning_seconds
+        atomic_write_bytes(timing_path(args.output), json.dumps(
+            {"read_seconds": read_seconds, "planning_seconds": planning, "pass_seconds": result.pass_seconds},
+            indent=1, sort_keys=True).encode())
+    except HartsError as err:
+        print(f"hartsc: {err}", file=sys.stderr)
+        return err.exit_code
+    stats = plan_statistics(result.plan, planning)
+    if args.verbose:
+        for line in result.decisions():
+            print(f"hartsc: {line}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(stats, sort_keys=True))
+    print(f"hartsc: wrote {args.output}: {stats['trajectories']} trajectories, {stats['original_tokens']} tokens -> "
+          f"{stats['compact_tokens']} compact ({stats['compression']:.2f}x), {stats['microbatches']} microbatches, "
+          f"max {stats['max_rounds']} rounds, read {read_seconds:.2f}s, planned {planning:.2f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

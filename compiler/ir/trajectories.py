@@ -1,0 +1,85 @@
+"""The step's trajectories as read from `trees.jsonl`, in file order.
+
+Legend: N trajectories, S semantic positions (sum of trajectory lengths).
+Per-token fields are flat arrays of length S; trajectory t owns
+`[token_offsets[t], token_offsets[t + 1])`. Index 0 of every trajectory is
+never a target; its per-token values are kept only to preserve alignment.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class TrajectoryBatch:
+    """Validated trajectories of one training step.
+
+    Invariants (checked by the reader, relied on everywhere else):
+    * `token_offsets` is int64, starts at 0, strictly increasing by >= 2;
+    * `tokens` is int32 and >= 0; `loss_mask` is uint8 in {0, 1};
+    * `advantages` is float32 and finite (a per-trajectory scalar is broadcast);
+    * `old_logprobs` / `ref_logprobs` are float32 or None; positions of
+      trajectories that did not provide them are NaN and `has_old_logprobs`
+      / `has_ref_logprobs` say which did;
+    * `ids` are unique; `lines` are the 1-based source line numbers.
+    """
+
+    source: str
+    ids: tuple
+    trees: tuple
+    lines: np.ndarray
+    token_offsets: np.ndarray
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    advantages: np.ndarray
+    old_logprobs: np.ndarray | None
+    ref_logprobs: np.ndarray | None
+    has_old_logprobs: np.ndarray
+    has_ref_logprobs: np.ndarray
+
+    @property
+    def num_trajectories(self) -> int:
+        return len(self.ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.token_offsets)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_offsets[-1])
+
+    def tokens_of(self, trajectory: int) -> np.ndarray:
+        return self.tokens[self.token_offsets[trajectory]:self.token_offsets[trajectory + 1]]
+
+    @staticmethod
+    def from_token_lists(token_lists, *, ids=None, source: str = "<memory>", loss_masks=None,
+                         advantages=None) -> "TrajectoryBatch":
+        """Build a batch from in-memory lists (tests, the Python API). No RL logprobs."""
+        n = len(token_lists)
+        lengths = np.array([len(t) for t in token_lists], dtype=np.int64)
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        flat = np.concatenate([np.asarray(t, dtype=np.int32) for t in token_lists]) if n else np.zeros(0, np.int32)
+        mask = (np.concatenate([np.asarray(m, dtype=np.uint8) for m in loss_masks])
+                if loss_masks is not None else np.ones(len(flat), dtype=np.uint8))
+        if advantages is None:
+            adv = np.zeros(len(flat), dtype=np.float32)
+        else:
+            adv = np.repeat(np.asarray(advantages, dtype=np.float32), lengths)
+        return TrajectoryBatch(
+            source=source,
+            ids=tuple(ids if ids is not None else range(n)),
+            trees=(None,) * n,
+            lines=np.arange(1, n + 1, dtype=np.int64),
+            token_offsets=offsets,
+            tokens=flat,
+            loss_mask=mask,
+            advantages=adv,
+            old_logprobs=None,
+            ref_logprobs=None,
+            has_old_logprobs=np.zeros(n, dtype=bool),
+            has_ref_logprobs=np.zeros(n, dtype=bool),
+        )

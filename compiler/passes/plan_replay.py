@@ -1,0 +1,136 @@
+"""Pass `plan-replay`: memory order, replay rows, start states and exports.
+
+Reads: a microbatch's `CompactLayout` and `RoundSchedule`. Adds: a
+`ReplayPlan`. Afterwards:
+
+* compact rows are laid out round-major, each sequence contiguous (its
+  segments in continuation order, each segment in depth order);
+* every sequence starts at the anchor a(s) of its head segment: from the zero
+  state when a(s) == 0, else from the boundary state after the path row at
+  depth a(s) - 1, which an earlier round exports;
+* a sequence replays the path rows at depths [a(s), s) (fewer than B, their
+  outputs discarded) before producing its own rows, so every chunk it
+  computes lies on the trajectory's own chunk grid;
+* each export is taken after a whole number of chunks of its producer
+  sequence, in a round before any sequence that starts from it.
+
+Legend: C rows, Q sequences, E exported states, P replay rows in total.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from harts.compiler.ir.layout import CompactLayout, expand_runs
+from harts.compiler.passes.assign_rounds import RoundSchedule
+from harts.schema.errors import VerificationError
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayPlan:
+    """Memory order and linear-attention call tables of one microbatch (rows in memory order)."""
+
+    exec_of_row: np.ndarray           # int64[C]: memory position of each creation-order row
+    row_of_exec: np.ndarray           # int64[C]: creation-order row at each memory position
+    sequence_round: np.ndarray        # int32[Q]
+    sequence_row_start: np.ndarray    # int64[Q]: first output row (memory order)
+    sequence_num_rows: np.ndarray     # int64[Q]
+    sequence_start_depth: np.ndarray  # int64[Q]: the anchor a(s) the sequence starts at
+    sequence_replay_offsets: np.ndarray  # int64[Q + 1] into replay_rows
+    replay_rows: np.ndarray           # int64[P]: memory rows replayed, depth order per sequence
+    sequence_start_state: np.ndarray  # int64[Q]: export index, -1 for the zero state
+    export_row: np.ndarray            # int64[E]: memory row after which the state is taken
+    export_sequence: np.ndarray       # int64[E]: sequence producing it
+    export_chunk: np.ndarray          # int64[E]: whole chunks of that sequence (replay included) before it
+    round_offsets: np.ndarray         # int64[R + 1]: sequences of round r are [round_offsets[r-1], round_offsets[r])
+
+    @property
+    def replay_tokens(self) -> int:
+        return len(self.replay_rows)
+
+
+def plan_replay(layout: CompactLayout, schedule: RoundSchedule) -> ReplayPlan:
+    B = schedule.chunk_size
+    seg_start = layout.segment_row_start
+    seg_len = np.diff(seg_start)
+    nxt = schedule.segment_next.tolist()
+
+    # Segments in memory order: each sequence's continuation chain, sequences by round.
+    segment_order: list[int] = []
+    sequence_num_segments: list[int] = []
+    for head in schedule.sequence_head.tolist():
+        before = len(segment_order)
+        v = head
+        while v >= 0:
+            segment_order.append(v)
+            v = nxt[v]
+        sequence_num_segments.append(len(segment_order) - before)
+    order = np.asarray(segment_order, dtype=np.int64)
+    row_of_exec = expand_runs(seg_start[:-1][order], seg_len[order])
+    exec_of_row = np.empty_like(row_of_exec)
+    exec_of_row[row_of_exec] = np.arange(len(row_of_exec))
+
+    Q = len(schedule.sequence_head)
+    segs_per_seq = np.asarray(sequence_num_segments, dtype=np.int64)
+    first_seg_index = np.zeros(Q + 1, dtype=np.int64)
+    np.cumsum(segs_per_seq, out=first_seg_index[1:])
+    rows_per_segment_in_order = seg_len[order]
+    row_cum = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(rows_per_segment_in_order, out=row_cum[1:])
+    sequence_row_start = row_cum[first_seg_index[:-1]]
+    sequence_num_rows = row_cum[first_seg_index[1:]] - sequence_row_start
+
+    # Replay: walk up from each head's first row, all heads at once, < B steps.
+    head_first_row = seg_start[schedule.sequence_head.astype(np.int64)]
+    head_depth = layout.row_depth[head_first_row].astype(np.int64)
+    anchor = head_depth // B * B
+    replay_len = head_depth - anchor
+    parent = layout.row_parent.astype(np.int64)
+    ancestors = np.full((Q, B), -1, dtype=np.int64)   # ancestors[:, j]: path row at depth s - 1 - j
+    cur = head_first_row.copy()
+    for j in range(B):
+        cur = np.where(cur >= 0, parent[np.maximum(cur, 0)], -1)
+        ancestors[:, j] = cur
+    cols = np.arange(B)
+    # Replay rows in depth order: ancestors j = replay_len-1 ... 0.
+    take = cols[None, :] < replay_len[:, None]
+    replay_creation = ancestors[:, ::-1][take[:, ::-1]]
+    replay_offsets = np.zeros(Q + 1, dtype=np.int64)
+    np.cumsum(replay_len, out=replay_offsets[1:])
+    replay_rows = exec_of_row[replay_creation] if len(replay_creation) else np.zeros(0, np.int64)
+
+    # Start state: the boundary state after the path row at depth anchor - 1.
+    needs_state = anchor > 0
+    key_creation = ancestors[np.flatnonzero(needs_state), replay_len[needs_state]]
+    key_exec = exec_of_row[key_creation]
+    export_row, state_index = np.unique(key_exec, return_inverse=True)
+    sequence_start_state = np.full(Q, -1, dtype=np.int64)
+    sequence_start_state[needs_state] = state_index
+
+    sequence_of_exec = np.repeat(np.arange(Q), sequence_num_rows)
+    export_sequence = sequence_of_exec[export_row] if len(export_row) else np.zeros(0, np.int64)
+    local_end = replay_len[export_sequence] + (export_row - sequence_row_start[export_sequence]) + 1
+    export_chunk = local_end // B
+
+    rounds = schedule.sequence_round.astype(np.int64)
+    round_offsets = np.searchsorted(rounds, np.arange(1, schedule.num_rounds + 2), side="left").astype(np.int64)
+    plan = ReplayPlan(
+        exec_of_row=exec_of_row,
+        row_of_exec=row_of_exec,
+        sequence_round=schedule.sequence_round.astype(np.int32),
+        sequence_row_start=sequence_row_start,
+        sequence_num_rows=sequence_num_rows,
+        sequence_start_depth=anchor,
+        sequence_replay_offsets=replay_offsets,
+        replay_rows=replay_rows,
+        sequence_start_state=sequence_start_state,
+        export_row=export_row.astype(np.int64),
+        export_sequence=export_sequence.astype(np.int64),
+        export_chunk=export_chunk.astype(np.int64),
+        round_offsets=round_offsets,
+    )
+    if np.any(local_end % B != 0):
+        raise VerificationError("exports sit on chunk boundaries",
+                                "an anchor state falls inside a chunk of its producer")
+    return plan

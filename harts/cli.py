@@ -1,0 +1,35 @@
+"""`harts`: the tools around a plan. Each subcommand is a module with `main(argv) -> int`."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "stats": ("harts.tools.stats", "summarise a plan (--json for one JSON object)"),
+    "check": ("harts.tools.check", "verify every plan invariant (--trees to check tokens too)"),
+    "gen": ("harts.tools.gen", "generate a synthetic agentic workload (stepwise or treestep)"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: harts SUBCOMMAND [ARGS...]", "", "subcommands:"]
+    lines += [f"  {name:<8} {help_text}" for name, (_, help_text) in SUBCOMMANDS.items()]
+    lines += ["", "Run `harts SUBCOMMAND --help` for its flags. The compiler is `hartsc`."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"harts: unknown subcommand '{name}'; fix: use one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

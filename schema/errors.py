@@ -1,0 +1,45 @@
+"""The one error hierarchy shared by the compiler, the executor and the tools.
+
+Every error a user can cause prints as a single line (`str(err)`) that says
+what was expected, what was found, and how to fix it; the command-line
+front ends print that line and exit non-zero, never a traceback.
+"""
+from __future__ import annotations
+
+
+class HartsError(Exception):
+    """Base of every error HARTS reports to a user (exit status 2 at the CLI)."""
+
+    exit_code = 2
+
+
+class InputError(HartsError):
+    """Bad user input: names the file, the line, the field and the fix."""
+
+    def __init__(self, path: str, line: int | None, field: str | None, problem: str, fix: str):
+        self.path, self.line, self.field, self.problem, self.fix = path, line, field, problem, fix
+        where = str(path) if line is None else f"{path}:{line}"
+        what = f"field '{field}': " if field else ""
+        super().__init__(f"{where}: {what}{problem}; fix: {fix}")
+
+
+class PlanFormatError(HartsError):
+    """A plan file that cannot be read: wrong format, wrong version, truncated or corrupted."""
+
+
+class VerificationError(HartsError):
+    """An IR or plan invariant does not hold; names the invariant and what broke it."""
+
+    exit_code = 1
+
+    def __init__(self, invariant: str, detail: str):
+        self.invariant, self.detail = invariant, detail
+        super().__init__(f"invariant '{invariant}' violated: {detail}")
+
+
+class PassFailedError(HartsError):
+    """A compiler pass could not produce a legal result (e.g. no partition fits capacity)."""
+
+    def __init__(self, pass_name: str, problem: str, fix: str):
+        self.pass_name = pass_name
+        super().__init__(f"pass '{pass_name}' failed: {problem}; fix: {fix}")

@@ -1,0 +1,167 @@
+"""The plan file, schema v1: the only thing the compiler and the executor share.
+
+File layout::
+
+    b"HARTSPLN"                         8 bytes, magic
+    uint32 little-endian                length of the header
+    msgpack header                      {"format", "schema_version", "flags", "compiler"}
+    zstd frame (with checksum)          msgpack body {"step", "microbatches", "summary"}
+
+The header sits outside the compressed body so that a reader can reject a
+wrong format or version before decompressing anything. numpy arrays are stored
+as `{"__ndarray__": [dtype, shape, raw bytes]}` (little-endian, C order), so a
+plan loads without pickle and without per-element decoding. Writing is
+deterministic (dict insertion order, single-threaded zstd at a fixed level) and
+atomic (temporary file in the same folder, fsync, rename).
+
+Body keys (all arrays in the microbatch's memory order of compact rows):
+
+step
+    ``num_trajectories``, ``ids`` (list of str|int), ``trees`` (list),
+    ``token_offsets`` int64[N+1], ``loss_mask`` uint8[S], ``advantages``
+    float32[S], ``old_logprobs`` / ``ref_logprobs`` float32[S] or None,
+    ``has_old_logprobs`` / ``has_ref_logprobs`` bool[N],
+    ``original_tokens``, ``trie_unique_tokens``.
+microbatches[i]
+    ``replica``, ``slot``, ``num_rounds``;
+    ``row_token`` int32[C], ``row_position`` int32[C], ``row_parent`` int32[C]
+    (-1 at position 0), ``row_multiplicity`` int32[C];
+    ``sequence_round`` int32[Q], ``sequence_row_start`` int64[Q],
+    ``sequence_num_rows`` int64[Q], ``sequence_start_position`` int64[Q] (the
+    anchor), ``sequence_replay_offsets`` int64[Q+1], ``replay_rows`` int64[P],
+    ``sequence_start_state`` int64[Q] (export index or -1 for zero),
+    ``round_offsets`` int64[R+1];
+    ``export_row`` int64[E], ``export_sequence`` int64[E], ``export_chunk`` int64[E];
+    ``member_trajectory`` int64[k] (file index), ``member_own_start`` int64[k]
+    (first position whose row this member created), ``member_run_offsets``
+    int64[k+1], ``run_row_start`` int64[R'], ``run_length`` int64[R'] (each
+    member's positions 0..n-1 map to the concatenated runs).
+summary
+    the deterministic statistics of `harts stats` (timings excluded).
+"""
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import zstandard
+
+from harts.schema.errors import PlanFormatError
+
+FORMAT = "harts-plan"
+SCHEMA_VERSION = 1
+MAGIC = b"HARTSPLN"
+ZSTD_LEVEL = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A loaded plan. `header["flags"]` holds the compile flags."""
+
+    header: dict
+    step: dict
+    microbatches: list
+    summary: dict = field(default_factory=dict)
+
+    @property
+    def flags(self) -> dict:
+        return self.header["flags"]
+
+
+def _encode(obj):
+    if isinstance(obj, np.ndarray):
+        array = np.ascontiguousarray(obj)
+        dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+        return {"__ndarray__": [dtype.str, list(array.shape), array.astype(dtype, copy=False).tobytes()]}
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    raise TypeError(f"cannot store {type(obj).__name__} in a plan")
+
+
+def _decode(obj):
+    if len(obj) == 1 and "__ndarray__" in obj:
+        dtype, shape, raw = obj["__ndarray__"]
+        return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape)
+    return obj
+
+
+def encode_plan(plan: Plan) -> bytes:
+    header = msgpack.packb(plan.header, default=_encode, use_bin_type=True)
+    body = msgpack.packb({"step": plan.step, "microbatches": plan.microbatches, "summary": plan.summary},
+                         default=_encode, use_bin_type=True)
+    compressed = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True,
+                                          write_content_size=True).compress(body)
+    return MAGIC + struct.pack("<I", len(header)) + header + compressed
+
+
+def write_plan(plan: Plan, path: str | os.PathLike) -> None:
+    """Write atomically: the file appears only when complete."""
+    atomic_write_bytes(Path(path), encode_plan(plan))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def read_header(data: bytes, source: str) -> tuple[dict, int]:
+    if len(data) < len(MAGIC) + 4 or data[:len(MAGIC)] != MAGIC:
+        raise PlanFormatError(f"{source}: not a HARTS plan (bad magic); fix: pass a file written by hartsc")
+    (length,) = struct.unpack("<I", data[len(MAGIC):len(MAGIC) + 4])
+    start = len(MAGIC) + 4
+    if start + length > len(data):
+        raise PlanFormatError(f"{source}: plan header is truncated; fix: recompile the plan with hartsc")
+    try:
+        header = msgpack.unpackb(data[start:start + length], raw=False)
+    except Exception as err:  # msgpack raises several unrelated types
+        raise PlanFormatError(f"{source}: plan header is corrupted ({err}); fix: recompile the plan with hartsc") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise PlanFormatError(f"{source}: format is {header.get('format') if isinstance(header, dict) else header!r}, "
+                              f"expected '{FORMAT}'; fix: pass a file written by hartsc")
+    version = header.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise PlanFormatError(f"{source}: plan schema version {version} is not supported by this HARTS "
+                              f"(reads version {SCHEMA_VERSION}); fix: recompile the plan with this hartsc")
+    return header, start + length
+
+
+def read_plan(path: str | os.PathLike) -> Plan:
+    source = str(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise PlanFormatError(f"{source}: cannot read plan ({err.strerror}); fix: check the path") from None
+    header, body_start = read_header(data, source)
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(data[body_start:])
+    except zstandard.ZstdError as err:
+        raise PlanFormatError(f"{source}: plan body is truncated or corrupted ({err}); "
+                              "fix: recompile the plan with hartsc") from None
+    try:
+        body = msgpack.unpackb(raw, raw=False, object_hook=_decode, strict_map_key=False)
+    except Exception as err:
+        raise PlanFormatError(f"{source}: plan body is corrupted ({err}); fix: recompile the plan with hartsc") from None
+    if not isinstance(body, dict) or not {"step", "microbatches"} <= body.keys():
+        raise PlanFormatError(f"{source}: plan body lacks 'step' or 'microbatches'; fix: recompile the plan with hartsc")
+    return Plan(header=header, step=body["step"], microbatches=body["microbatches"], summary=body.get("summary", {}))

@@ -1,0 +1,187 @@
+"""`harts check PLAN [--trees TREES]`: verify every plan invariant from the plan alone.
+
+This checker reads only the plan's arrays (and, with `--trees`, the input
+file); it shares no code with the compiler's passes, so it is an independent
+witness that a plan is legal:
+
+* every trajectory is a member of exactly one microbatch; each of its
+  positions maps to a row with the right depth, parent chain and (with
+  `--trees`) token; multiplicities count the member paths; no row is orphaned;
+* sharing is complete and exact: no two rows have the same (parent, token);
+* every microbatch fits the capacity; the microbatches form a D x slots grid;
+* sequences tile the rows in memory order, round-major, each a parent chain;
+* every sequence starts at an anchor (a multiple of B) and replays fewer than
+  B rows, exactly the path rows between the anchor and its first row;
+* every non-zero start state is exported at a chunk boundary of its producer,
+  by a sequence of an earlier round.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from harts.schema.errors import HartsError, VerificationError
+from harts.schema.plan import Plan, read_plan
+
+
+def expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    if len(starts) == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(s, s + n) for s, n in zip(starts.tolist(), lengths.tolist())])
+
+
+def fail(microbatch: int, invariant: str, detail: str):
+    raise VerificationError(invariant, f"microbatch {microbatch}: {detail}")
+
+
+def check_rows(i: int, mb: dict, capacity: int) -> None:
+    C = len(mb["row_token"])
+    if C > capacity:
+        fail(i, "capacity", f"{C} compact rows > capacity {capacity}")
+    parent = mb["row_parent"].astype(np.int64)
+    position = mb["row_position"].astype(np.int64)
+    rows = np.arange(C)
+    roots = parent < 0
+    if np.any(parent >= rows):
+        fail(i, "parent row precedes its child in memory", f"row {int(np.flatnonzero(parent >= rows)[0])}")
+    if np.any(position[roots] != 0) or np.any(position[~roots] != position[parent[~roots]] + 1):
+        fail(i, "row position is its parent's plus one", "positions do not follow parents")
+    key = parent * (1 << 32) + mb["row_token"].astype(np.int64)
+    if len(np.unique(key)) != C:
+        fail(i, "identical prefixes share one row", "two rows have the same parent and token")
+
+
+def check_members(i: int, mb: dict, step: dict, trees_tokens) -> np.ndarray:
+    C = len(mb["row_token"])
+    offsets = step["token_offsets"]
+    coverage = np.zeros(C, dtype=np.int64)
+    runs = mb["member_run_offsets"]
+    for j, traj in enumerate(mb["member_trajectory"].tolist()):
+        lo, hi = runs[j], runs[j + 1]
+        m = expand(mb["run_row_start"][lo:hi], mb["run_length"][lo:hi])
+        n = int(offsets[traj + 1] - offsets[traj])
+        if len(m) != n or (n and (m.min() < 0 or m.max() >= C)):
+            fail(i, "every semantic position maps to one row", f"trajectory {traj} maps {len(m)} of {n} positions")
+        if np.any(mb["row_position"][m] != np.arange(n)):
+            fail(i, "a position's row has its depth", f"trajectory {traj}")
+        if n > 1 and np.any(mb["row_parent"][m[1:]] != m[:-1]):
+            fail(i, "a trajectory's rows form a parent chain", f"trajectory {traj}")
+        if trees_tokens is not None and np.any(mb["row_token"][m] != trees_tokens[offsets[traj]:offsets[traj + 1]]):
+            fail(i, "a position's row has its token", f"trajectory {traj}")
+        coverage[m] += 1
+    if np.any(coverage != mb["row_multiplicity"]):
+        fail(i, "multiplicity counts occurrences", "row_multiplicity differs from the member paths")
+    if np.any(coverage == 0):
+        fail(i, "no orphan rows", f"row {int(np.flatnonzero(coverage == 0)[0])} belongs to no trajectory")
+    return mb["member_trajectory"]
+
+
+def check_sequences(i: int, mb: dict, chunk_size: int) -> None:
+    B = chunk_size
+    C = len(mb["row_token"])
+    parent = mb["row_parent"].astype(np.int64)
+    position = mb["row_position"].astype(np.int64)
+    start, count = mb["sequence_row_start"], mb["sequence_num_rows"]
+    Q = len(start)
+    if Q == 0 and C == 0:
+        return
+    if start[0] != 0 or np.any(count <= 0) or np.any(start[1:] != start[:-1] + count[:-1]) or start[-1] + count[-1] != C:
+        fail(i, "sequences tile the rows in memory order", "sequence row ranges overlap or leave gaps")
+    rounds = mb["sequence_round"].astype(np.int64)
+    if np.any(np.diff(rounds) < 0) or rounds[0] < 1:
+        fail(i, "sequences are round-major", "sequence rounds are not ascending from 1")
+    if int(mb["num_rounds"]) != int(rounds.max()):
+        fail(i, "num_rounds is the last round", f"{mb['num_rounds']} != {int(rounds.max())}")
+    expected_offsets = np.searchsorted(rounds, np.arange(1, rounds.max() + 2))
+    if not np.array_equal(mb["round_offsets"], expected_offsets):
+        fail(i, "round table matches sequence rounds", "round_offsets disagree")
+    first = start
+    inner = np.ones(C, dtype=bool)
+    inner[first] = False
+    if np.any(parent[inner] != np.arange(C)[inner] - 1):
+        fail(i, "a sequence's output rows form a parent chain", "a continuation row's parent is not the row before it")
+    replay_offsets = mb["sequence_replay_offsets"]
+    replay = mb["replay_rows"].astype(np.int64)
+    anchor = mb["sequence_start_position"].astype(np.int64)
+    first_position = position[first]
+    if np.any(anchor % B != 0) or np.any(anchor != first_position // B * B):
+        fail(i, "a sequence starts at its nearest anchor", "start position is not a(s)")
+    replay_len = np.diff(replay_offsets)
+    if np.any(replay_len != first_position - anchor) or np.any(replay_len >= B):
+        fail(i, "replay covers [a(s), s) and is shorter than a chunk", "replay length is wrong")
+    export_row = mb["export_row"].astype(np.int64)
+    export_seq = mb["export_sequence"].astype(np.int64)
+    export_chunk = mb["export_chunk"].astype(np.int64)
+    for e in range(len(export_row)):
+        q, r = int(export_seq[e]), int(export_row[e])
+        if not start[q] <= r < start[q] + count[q]:
+            fail(i, "an export is an output row of its producer", f"export {e}")
+        if (replay_len[q] + r - start[q] + 1) != export_chunk[e] * B:
+            fail(i, "exports sit on chunk boundaries of their producer", f"export {e}")
+    start_state = mb["sequence_start_state"].astype(np.int64)
+    for q in range(Q):
+        chain = replay[replay_offsets[q]:replay_offsets[q + 1]].tolist() + [int(first[q])]
+        for a, b in zip(chain[:-1], chain[1:]):
+            if parent[b] != a:
+                fail(i, "replay rows are the path before the sequence", f"sequence {q}")
+        top = parent[chain[0]]
+        if anchor[q] == 0:
+            if start_state[q] != -1 or top != -1:
+                fail(i, "a sequence at position 0 starts from the zero state", f"sequence {q}")
+            continue
+        e = int(start_state[q])
+        if not 0 <= e < len(export_row) or export_row[e] != top:
+            fail(i, "a sequence starts from the state after the row before its anchor", f"sequence {q}")
+        if rounds[export_seq[e]] >= rounds[q]:
+            fail(i, "a start state is exported in an earlier round", f"sequence {q} (round {rounds[q]}) "
+                 f"reads a state of round {rounds[export_seq[e]]}")
+
+
+def check_plan(plan: Plan, trees_tokens: np.ndarray | None = None, trees_offsets: np.ndarray | None = None) -> None:
+    flags, step = plan.flags, plan.step
+    dp, capacity, chunk_size = int(flags["dp"]), int(flags["capacity"]), int(flags["chunk_size"])
+    if trees_offsets is not None and not np.array_equal(trees_offsets, step["token_offsets"]):
+        raise VerificationError("plan matches --trees", "trajectory lengths differ from the input file")
+    K = len(plan.microbatches)
+    if K % dp:
+        raise VerificationError("microbatch count is a multiple of dp", f"{K} microbatches, dp {dp}")
+    grid = {(int(mb["replica"]), int(mb["slot"])) for mb in plan.microbatches}
+    if len(grid) != K or grid != {(d, j) for d in range(dp) for j in range(K // dp)}:
+        raise VerificationError("microbatches form a replica x slot grid", "a (replica, slot) pair is missing or repeated")
+    seen = np.zeros(int(step["num_trajectories"]), dtype=np.int64)
+    for i, mb in enumerate(plan.microbatches):
+        check_rows(i, mb, capacity)
+        members = check_members(i, mb, step, trees_tokens)
+        np.add.at(seen, members, 1)
+        check_sequences(i, mb, chunk_size)
+    if np.any(seen != 1):
+        bad = int(np.flatnonzero(seen != 1)[0])
+        raise VerificationError("every trajectory is in exactly one microbatch",
+                                f"trajectory {step['ids'][bad]!r} appears {int(seen[bad])} times")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="harts check", description="Verify every invariant of a HARTS plan.")
+    parser.add_argument("plan", help="plan file written by hartsc")
+    parser.add_argument("--trees", help="the trees.jsonl[.zst] the plan was compiled from: also check every token")
+    args = parser.parse_args(argv)
+    try:
+        plan = read_plan(args.plan)
+        tokens = offsets = None
+        if args.trees:
+            from harts.compiler.read_trees import read_trees
+            batch = read_trees(args.trees)
+            tokens, offsets = batch.tokens, batch.token_offsets
+        check_plan(plan, tokens, offsets)
+    except HartsError as err:
+        print(f"harts check: {err}", file=sys.stderr)
+        return err.exit_code
+    print(f"harts check: {args.plan}: ok ({len(plan.microbatches)} microbatches, "
+          f"{plan.step['num_trajectories']} trajectories)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

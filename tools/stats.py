@@ -1,0 +1,53 @@
+"""`harts stats PLAN [--json]`: the step's compression, balance, rounds and sizes."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from harts.schema.errors import HartsError
+from harts.schema.plan import read_plan
+from harts.schema.summary import plan_statistics
+
+
+def read_planning_seconds(plan_path: str) -> float | None:
+    """hartsc records timing beside the plan (`PLAN.timing.json`) to keep the plan deterministic."""
+    path = Path(plan_path)
+    sidecar = path.with_name(path.name + ".timing.json")
+    try:
+        return float(json.loads(sidecar.read_text())["planning_seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def format_table(stats: dict) -> str:
+    width = max(len(k) for k in stats)
+    lines = []
+    for key, value in stats.items():
+        shown = f"{value:.4f}" if isinstance(value, float) else str(value)
+        lines.append(f"{key:<{width}}  {shown}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="harts stats", description="Summarise a HARTS plan.")
+    parser.add_argument("plan", help="plan file written by hartsc")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (every key is a number)")
+    args = parser.parse_args(argv)
+    try:
+        plan = read_plan(args.plan)
+    except HartsError as err:
+        print(f"harts stats: {err}", file=sys.stderr)
+        return err.exit_code
+    seconds = read_planning_seconds(args.plan)
+    stats = plan_statistics(plan, seconds if seconds is not None else 0.0)
+    if seconds is None:
+        print(f"harts stats: no {Path(args.plan).name}.timing.json beside the plan; planning_seconds shown as 0",
+              file=sys.stderr)
+    print(json.dumps(stats, sort_keys=True) if args.json else format_table(stats))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
