@@ -5,6 +5,7 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
+    "demo": ("harts.tools.demo", "generate, compile, check and summarise a small step end to end"),
     "stats": ("harts.tools.stats", "summarise a plan (--json for one JSON object)"),
     "check": ("harts.tools.check", "verify every plan invariant (--trees to check tokens too)"),
     "gen": ("harts.tools.gen", "generate a synthetic agentic workload (stepwise or treestep)"),

@@ -1,0 +1,142 @@
+"""`harts check` catches every kind of broken plan, naming the invariant.
+
+Run: `python -m pytest tests/test_check.py -q`. Each case breaks one thing in
+a legal plan and expects the checker to name that invariant.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from harts.compiler.ir.trajectories import TrajectoryBatch
+from harts.compiler.pipeline import CompileOptions, compile_batch
+from harts.schema.errors import VerificationError
+from harts.tools.check import check_plan
+
+B = 4
+LISTS = [
+    [1] * 9 + [2, 2, 2],          # forks at 9 (replay 1 from S_8) and on the boundary at 4
+    [1] * 9 + [3, 3],
+    [1] * 4 + [5, 5, 5, 5, 5],
+    [1] * 4 + [5, 5, 5, 5, 5, 6],  # strict extension
+    [1] * 4 + [5, 5, 5, 5, 5, 6],  # duplicate
+    [8, 8, 8],
+]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    batch = TrajectoryBatch.from_token_lists(LISTS)
+    plan = compile_batch(batch, CompileOptions(dp=1, capacity=64, chunk_size=B)).plan
+    check_plan(plan, batch.tokens, batch.token_offsets)
+    mb = plan.microbatches[0]
+    assert len(mb["export_row"]) >= 1 and len(mb["replay_rows"]) >= 1, "the fixture must exercise handoff and replay"
+    return batch, plan
+
+
+def mutable(plan):
+    plan = copy.deepcopy(plan)
+    for mb in plan.microbatches:
+        for key, value in mb.items():
+            if isinstance(value, np.ndarray):
+                mb[key] = value.copy()
+    return plan
+
+
+def first_replaying_sequence(mb):
+    return int(np.flatnonzero(np.diff(mb["sequence_replay_offsets"]) > 0)[0])
+
+
+def first_handoff_sequence(mb):
+    return int(np.flatnonzero(mb["sequence_start_state"] >= 0)[0])
+
+
+def break_capacity(plan, mb):
+    plan.header["flags"]["capacity"] = len(mb["row_token"]) - 1
+
+
+def break_token(plan, mb):
+    mb["row_token"][len(mb["row_token"]) - 1] += 100
+
+
+def break_multiplicity(plan, mb):
+    mb["row_multiplicity"][0] += 1
+
+
+def break_run(plan, mb):
+    mb["run_length"][0] -= 1
+
+
+def break_sharing(plan, mb):
+    # Two rows with the same parent and token: a prefix that was not shared.
+    parent, token = mb["row_parent"], mb["row_token"]
+    fork = np.flatnonzero(np.bincount(parent[parent >= 0]) >= 2)[0]
+    children = np.flatnonzero(parent == fork)
+    token[children[1]] = token[children[0]]
+
+
+def break_replay_length(plan, mb):
+    q = first_replaying_sequence(mb)
+    mb["sequence_start_position"][q] += B
+
+
+def break_replay_rows(plan, mb):
+    q = first_replaying_sequence(mb)
+    mb["replay_rows"][mb["sequence_replay_offsets"][q]] = mb["sequence_row_start"][q] + 1
+
+
+def break_export_chunk(plan, mb):
+    mb["export_chunk"][0] += 1
+
+
+def break_export_round(plan, mb):
+    q = first_handoff_sequence(mb)
+    producer = mb["export_sequence"][mb["sequence_start_state"][q]]
+    mb["sequence_round"][producer] = mb["sequence_round"][q]
+    rounds = np.maximum.accumulate(mb["sequence_round"])   # keep the tables consistent otherwise
+    mb["sequence_round"][:] = rounds
+    mb["num_rounds"] = int(rounds.max())
+    mb["round_offsets"] = np.searchsorted(rounds, np.arange(1, rounds.max() + 2))
+
+
+def break_start_state(plan, mb):
+    q = first_handoff_sequence(mb)
+    mb["sequence_start_state"][q] = -1
+
+
+def break_grid(plan, mb):
+    mb["replica"] = 1
+
+
+def break_membership(plan, mb):
+    # Trajectories 3 and 4 are identical, so only the membership count can tell.
+    mb["member_trajectory"][mb["member_trajectory"] == 4] = 3
+
+
+CASES = {
+    "capacity": (break_capacity, "capacity"),
+    "token": (break_token, "has its token"),
+    "multiplicity": (break_multiplicity, "multiplicity counts occurrences"),
+    "run": (break_run, "every semantic position maps to one row"),
+    "sharing": (break_sharing, "identical prefixes share one row"),
+    "replay-length": (break_replay_length, "nearest anchor"),
+    "replay-rows": (break_replay_rows, "replay rows are the path before the sequence"),
+    "export-chunk": (break_export_chunk, "chunk boundaries"),
+    "export-round": (break_export_round, "exported in an earlier round"),
+    "start-state": (break_start_state, "starts from the state after the row before its anchor"),
+    "grid": (break_grid, "replica x slot grid"),
+    "membership": (break_membership, "every trajectory is in exactly one microbatch"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_checker_names_the_broken_invariant(compiled, case):
+    batch, plan = compiled
+    broken = mutable(plan)
+    breaker, words = CASES[case]
+    breaker(broken, broken.microbatches[0])
+    with pytest.raises(VerificationError) as info:
+        check_plan(broken, batch.tokens, batch.token_offsets)
+    assert words in str(info.value)

@@ -1,0 +1,95 @@
+"""The command lines: `hartsc`, `harts stats|check|gen|demo`, run as a user would.
+
+Run: `python -m pytest tests/test_cli.py -q`. Commands run in-process through
+their `main(argv)`; one test runs the installed console scripts.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from harts.cli import main as harts_main
+from harts.compiler.cli import main as hartsc_main
+from harts.schema.summary import STATS_KEYS
+
+TREES = [
+    {"id": "a", "tokens": [1, 2, 3, 4, 5, 6, 7, 8, 9], "advantages": 1.0},
+    {"id": "b", "tokens": [1, 2, 3, 4, 5, 6, 7, 8, 10, 11], "loss_mask": [0, 0, 0, 0, 0, 1, 1, 1, 1, 1]},
+    {"id": 3, "tokens": [1, 2, 3, 4], "tree": "t0"},
+    {"id": "d", "tokens": [20, 21, 22]},
+]
+
+
+def write_trees(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture
+def trees(tmp_path):
+    return write_trees(tmp_path / "trees.jsonl", TREES)
+
+
+def test_compile_stats_and_check(tmp_path, trees, capsys):
+    plan = tmp_path / "step.plan"
+    assert hartsc_main([str(trees), "-o", str(plan), "--chunk-size", "4", "--capacity", "32"]) == 0
+    capsys.readouterr()
+    assert harts_main(["stats", str(plan), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    for key in STATS_KEYS:
+        assert isinstance(stats[key], (int, float)) and math.isfinite(stats[key]), key
+    assert stats["trajectories"] == 4 and stats["original_tokens"] == 26
+    assert stats["compact_tokens"] == 9 + 2 + 3   # the trie: 1..9, 10 11, 20 21 22
+    assert stats["chunk_size"] == 4 and stats["capacity"] == 32 and stats["planning_seconds"] > 0
+    assert harts_main(["check", str(plan), "--trees", str(trees)]) == 0
+
+
+def test_same_input_and_flags_give_a_byte_identical_plan(tmp_path, trees):
+    a, b = tmp_path / "a.plan", tmp_path / "b.plan"
+    for out in (a, b):
+        assert hartsc_main([str(trees), "-o", str(out), "--dp", "2", "--chunk-size", "2"]) == 0
+    assert a.read_bytes() == b.read_bytes()
+
+
+@pytest.mark.parametrize("record, line, words", [
+    ({"id": "x", "tokens": [1, -2]}, 5, "tokens"),
+    ({"id": "a", "tokens": [1, 2]}, 5, "id"),
+    ({"id": "x", "tokens": list(range(40))}, 5, "capacity"),
+])
+def test_bad_input_prints_one_line_and_writes_nothing(tmp_path, capsys, record, line, words):
+    trees = write_trees(tmp_path / "bad.jsonl", TREES + [record])
+    plan = tmp_path / "step.plan"
+    assert hartsc_main([str(trees), "-o", str(plan), "--capacity", "32"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"bad.jsonl:{line}" in err and words in err and "fix" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+def test_unreadable_plan_is_one_line(tmp_path, capsys):
+    junk = tmp_path / "junk.plan"
+    junk.write_bytes(b"junk")
+    assert harts_main(["stats", str(junk)]) == 2
+    assert harts_main(["check", str(junk)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("not a HARTS plan" in line for line in err)
+
+
+def test_check_against_other_trees_fails(tmp_path, trees, capsys):
+    plan = tmp_path / "step.plan"
+    assert hartsc_main([str(trees), "-o", str(plan)]) == 0
+    other = write_trees(tmp_path / "other.jsonl", [dict(r, tokens=[t + 1 for t in r["tokens"]]) for r in TREES])
+    assert harts_main(["check", str(plan), "--trees", str(other)]) == 1
+    assert "has its token" in capsys.readouterr().err
+
+
+def test_console_scripts_run_the_demo(tmp_path):
+    out = subprocess.run(["harts", "demo", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "compression" in out.stdout and (tmp_path / "step.plan").exists()
+    check = subprocess.run([sys.executable, "-m", "harts.tools.check", str(tmp_path / "step.plan")],
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr

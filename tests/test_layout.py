@@ -1,0 +1,66 @@
+"""Compact layout (the prefix trie as rows): properties on random trees and golden cases.
+
+Run: `python -m pytest tests/test_layout.py -q`.
+"""
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harts.compiler.ir.layout import expand_runs, verify_layout
+from harts.compiler.ir.trajectories import TrajectoryBatch
+from harts.compiler.passes.build_trie import build_trie, verify_trie
+
+
+def brute_force_rows(token_lists) -> int:
+    """Unique prefixes = rows of a maximally shared trie."""
+    return len({tuple(t[:i + 1]) for t in token_lists for i in range(len(t))})
+
+
+trees = st.lists(st.lists(st.integers(0, 3), min_size=2, max_size=20), min_size=1, max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(trees)
+def test_every_position_maps_to_exactly_one_row_with_its_token_and_depth(lists):
+    batch = TrajectoryBatch.from_token_lists(lists)
+    trie = build_trie(batch)
+    verify_trie(trie, batch)   # includes verify_layout against the source tokens
+    layout = trie.layout
+    assert layout.num_rows == brute_force_rows(lists)
+    assert int(layout.row_multiplicity.sum()) == sum(len(t) for t in lists)
+    # Two positions share a row exactly when their prefixes are identical.
+    row_of_prefix = {}
+    for member, traj in enumerate(layout.trajectories):
+        rows = layout.member_rows(member)
+        for i, row in enumerate(rows):
+            prefix = tuple(lists[traj][:i + 1])
+            assert row_of_prefix.setdefault(prefix, row) == row
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 5)), max_size=20))
+def test_expand_runs_concatenates_aranges(runs):
+    starts = np.array([s for s, _ in runs], dtype=np.int64)
+    lengths = np.array([n for _, n in runs], dtype=np.int64)
+    expected = [x for s, n in runs for x in range(s, s + n)]
+    assert expand_runs(starts, lengths).tolist() == expected
+
+
+def test_golden_small_forest():
+    lists = [[1, 2, 3, 4], [1, 2], [1, 2, 3, 4], [1, 2, 5, 6, 7], [9, 9], [1, 2, 3, 4, 8]]
+    batch = TrajectoryBatch.from_token_lists(lists)
+    trie = build_trie(batch)
+    L = trie.layout
+    assert trie.order.tolist() == [1, 0, 2, 5, 3, 4]
+    assert trie.lcp.tolist() == [0, 2, 4, 4, 2, 0]
+    assert L.row_token.tolist() == [1, 2, 3, 4, 8, 5, 6, 7, 9, 9]
+    assert L.row_depth.tolist() == [0, 1, 2, 3, 4, 2, 3, 4, 0, 1]
+    assert L.row_parent.tolist() == [-1, 0, 1, 2, 3, 1, 5, 6, -1, 8]
+    assert L.row_multiplicity.tolist() == [5, 5, 3, 3, 1, 1, 1, 1, 1, 1]
+    # Segments: "1 2" forks into "3 4 8" and "5 6 7"; "9 9" is a second tree.
+    assert L.segment_row_start.tolist() == [0, 2, 5, 8, 10]
+    assert L.segment_parent.tolist() == [-1, 0, 0, -1]
+    assert L.segment_start_depth.tolist() == [0, 2, 2, 0]
+    assert L.segment_end_depth.tolist() == [2, 5, 5, 2]
+    verify_layout(L, batch.token_offsets, batch.tokens)

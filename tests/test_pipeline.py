@@ -1,0 +1,75 @@
+"""The whole compiler on random trees: every pass verified, the plan checked independently.
+
+Run: `python -m pytest tests/test_pipeline.py -q`.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harts.compiler.ir.trajectories import TrajectoryBatch
+from harts.compiler.pipeline import CompileOptions, compile_batch
+from harts.schema.errors import PassFailedError
+from harts.schema.plan import encode_plan, read_plan, write_plan
+from harts.schema.summary import plan_statistics
+from harts.tools.check import check_plan
+
+
+@st.composite
+def forests(draw):
+    """Trajectories branching off earlier ones: forks anywhere, duplicates, strict prefixes."""
+    lists = [draw(st.lists(st.integers(0, 3), min_size=2, max_size=30))]
+    for _ in range(draw(st.integers(0, 14))):
+        base = lists[draw(st.integers(0, len(lists) - 1))]
+        cut = draw(st.integers(0, len(base)))
+        tail = draw(st.lists(st.integers(0, 3), min_size=max(0, 2 - cut), max_size=20))
+        lists.append(base[:cut] + tail)
+    return lists
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(forests(), st.integers(1, 8), st.integers(1, 3), st.integers(0, 40))
+def test_compiled_plans_pass_every_invariant(lists, chunk_size, dp, extra_capacity):
+    if len(lists) < dp:
+        dp = len(lists)
+    capacity = max(len(t) for t in lists) + extra_capacity
+    batch = TrajectoryBatch.from_token_lists(lists)
+    try:
+        result = compile_batch(batch, CompileOptions(dp=dp, capacity=capacity, chunk_size=chunk_size, verify=True))
+    except PassFailedError as err:
+        # The only legal refusal: the trajectories cannot be split into a multiple of dp microbatches.
+        assert f"into a multiple of {dp} non-empty microbatches" in str(err)
+        return
+    check_plan(result.plan, batch.tokens, batch.token_offsets)
+    stats = plan_statistics(result.plan)
+    assert stats["original_tokens"] == sum(len(t) for t in lists)
+    assert stats["compact_tokens"] >= result.trie.unique_tokens
+    assert stats["microbatches"] % dp == 0
+
+
+def test_round_trip_through_the_file_preserves_the_plan(tmp_path):
+    lists = [[1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 2, 3, 4, 5, 6], [7, 7]]
+    batch = TrajectoryBatch.from_token_lists(lists)
+    plan = compile_batch(batch, CompileOptions(chunk_size=2, capacity=16)).plan
+    write_plan(plan, tmp_path / "p.plan")
+    loaded = read_plan(tmp_path / "p.plan")
+    check_plan(loaded, batch.tokens, batch.token_offsets)
+    assert encode_plan(loaded) == encode_plan(plan)
+
+
+def test_same_input_and_flags_give_identical_bytes():
+    rng = np.random.default_rng(3)
+    lists = [list(rng.integers(0, 5, rng.integers(2, 40))) for _ in range(30)]
+    lists += [t[: len(t) // 2] + [9] for t in lists[:10] if len(t) >= 4]
+    batch = TrajectoryBatch.from_token_lists(lists)
+    options = CompileOptions(dp=2, capacity=120, chunk_size=4)
+    assert encode_plan(compile_batch(batch, options).plan) == encode_plan(compile_batch(batch, options).plan)
+
+
+def test_unbuilt_planners_are_refused_clearly():
+    batch = TrajectoryBatch.from_token_lists([[1, 2], [1, 3]])
+    for options in (CompileOptions(planner="ffd"), CompileOptions(levels="l1+l2")):
+        with pytest.raises(PassFailedError, match="not implemented yet"):
+            compile_batch(batch, options)
