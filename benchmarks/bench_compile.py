@@ -1,0 +1,97 @@
+"""Compile a paper-scale step and print where the time and memory go.
+
+Usage:
+    python benchmarks/bench_compile.py [--kind stepwise|treestep] [--dp 8] [--capacity 65536]
+                                       [--preset paper|small] [--keep DIR]
+
+Generates an SWE-shaped step with `harts gen`'s preset (paper: ~1,600
+trajectories, ~43M tokens), writes it as trees.jsonl, then times reading,
+every compiler pass and writing the plan. Prints one table. The issue's
+targets: planning (L1, rounds, replay, lowering) under 1 s, peak memory under
+8 GiB; the table says whether they hold.
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+from harts.compiler.pipeline import CompileOptions, compile_batch
+from harts.compiler.read_trees import read_trees
+from harts.schema.plan import encode_plan, write_plan
+from harts.schema.summary import plan_statistics
+from harts.tools import gen
+
+PLANNING_PASSES = ("partition-microbatches", "build-layout", "assign-rounds", "plan-replay", "lower")
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB on Linux
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", choices=gen.KINDS, default="stepwise", help="sampling scheme (default stepwise)")
+    parser.add_argument("--preset", choices=gen.PRESETS, default="paper", help="workload size (default paper)")
+    parser.add_argument("--dp", type=int, default=8, help="data-parallel degree (default 8)")
+    parser.add_argument("--capacity", type=int, default=65536, help="microbatch capacity T (default 65536)")
+    parser.add_argument("--chunk-size", type=int, default=64, help="chunk size B (default 64)")
+    parser.add_argument("--keep", help="write trees.jsonl and step.plan here instead of a temporary folder")
+    args = parser.parse_args()
+
+    folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="harts-bench-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    trees = folder / "trees.jsonl"
+    t0 = time.perf_counter()
+    written = gen.write_jsonl(gen.generate(gen.preset(args.preset, args.kind)), trees)
+    gen_seconds = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    batch = read_trees(trees, capacity=args.capacity)
+    read_seconds = time.perf_counter() - t0
+    rss_after_read = peak_rss_gib()
+
+    options = CompileOptions(dp=args.dp, capacity=args.capacity, chunk_size=args.chunk_size)
+    result = compile_batch(batch, options)
+    t0 = time.perf_counter()
+    data = encode_plan(result.plan)
+    encode_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    write_plan(result.plan, folder / "step.plan")
+    write_seconds = time.perf_counter() - t0
+    stats = plan_statistics(result.plan, result.planning_seconds)
+
+    planning = sum(result.pass_seconds.get(p, 0.0) for p in PLANNING_PASSES)
+    rows = [
+        ("workload", f"{args.kind} ({args.preset}), D={args.dp}, T={args.capacity}, B={args.chunk_size}"),
+        ("trajectories", f"{stats['trajectories']:,}"),
+        ("original tokens", f"{stats['original_tokens']:,}"),
+        ("trees.jsonl", f"{trees.stat().st_size / 2**20:,.0f} MiB (generated+written in {gen_seconds:.2f} s)"),
+        ("read", f"{read_seconds:.2f} s ({stats['original_tokens'] / read_seconds / 1e6:.1f} M tokens/s)"),
+    ]
+    rows += [(f"  pass {name}", f"{secs * 1e3:.0f} ms") for name, secs in result.pass_seconds.items()]
+    rows += [
+        ("planning (L1+rounds+replay+lower)", f"{planning:.3f} s  [target < 1 s: {'met' if planning < 1 else 'MISSED'}]"),
+        ("encode plan (msgpack+zstd)", f"{encode_seconds:.2f} s, {len(data) / 2**20:.1f} MiB"),
+        ("write plan (encode+fsync+rename)", f"{write_seconds:.2f} s"),
+        ("peak RSS after read", f"{rss_after_read:.2f} GiB"),
+        ("peak RSS overall", f"{peak_rss_gib():.2f} GiB  [target < 8 GiB: {'met' if peak_rss_gib() < 8 else 'MISSED'}]"),
+        ("microbatches / slots", f"{stats['microbatches']} / {stats['slots']}  ({result.partition.candidate})"),
+        ("compact tokens", f"{stats['compact_tokens']:,}"),
+        ("compression (L1)", f"{stats['compression']:.2f}x"),
+        ("trie compression bound", f"{stats['compression_bound']:.2f}x  ({stats['trie_unique_tokens']:,} unique trie tokens)"),
+        ("balance (eta_sched)", f"{stats['balance']:.4f}"),
+        ("max rounds / replay tokens", f"{stats['max_rounds']} / {stats['replay_tokens']:,}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print(f"{'metric':<{width}}  value")
+    print(f"{'-' * width}  {'-' * 40}")
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    del written
+
+
+if __name__ == "__main__":
+    main()

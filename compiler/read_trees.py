@@ -1,0 +1,540 @@
+"""Read `trees.jsonl` / `trees.jsonl.zst` into a validated `TrajectoryBatch`.
+
+Reads: one JSON object per line, exactly as contract section 1 defines it
+(`id`, `tokens`, and optional `tree`, `loss_mask`, `advantages`,
+`old_logprobs`, `ref_logprobs`; other keys are ignored). A path ending in
+`.zst` is zstd-compressed and is decompressed as a stream.
+
+Produces: a `TrajectoryBatch` in file order whose every documented invariant
+holds, or raises `InputError` naming the file, the 1-based physical line, the
+field and the fix. No partial batch is ever returned.
+
+Decisions beyond the contract table, each chosen so that a later stage cannot
+be surprised:
+* Blank (whitespace-only) lines are skipped but still counted, so line numbers
+  always match what an editor shows. A UTF-8 byte-order mark on line 1 is
+  skipped.
+* `null` for an optional field means "not given"; for `id` or `tokens` it is a
+  type error.
+* JSON `true`/`false` are rejected wherever a number is expected (tokens,
+  loss_mask, advantages, logprobs) and as `id`/`tree`, although Python would
+  treat them as 1/0.
+* Ids must also be unique as strings (`1` and `"1"` collide), because the
+  executor keys per-trajectory outputs by `str(id)` (contract section 3).
+* Float fields must be finite after rounding to float32, the precision they
+  are stored in (`1e39` would become inf).
+
+Speed: a paper-scale step is ~43M tokens. Each line is parsed once by orjson
+and each per-token list becomes a numpy array in one C-level call; types and
+ranges are then checked with whole-array numpy reductions (dtype kind,
+min/max, isfinite). Only a line already known to be bad is walked element by
+element, to name the first offending index. See `benchmarks/bench_read.py`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import orjson
+import zstandard
+
+from harts.compiler.ir.trajectories import TrajectoryBatch
+from harts.schema.errors import InputError
+
+__all__ = ["read_trees"]
+
+# Token ids are stored as int32 (TrajectoryBatch invariant).
+_TOKEN_LIMIT = 2**31
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Compressed bytes fed to the decompressor per call. zstandard's decompress()
+# has no output limit, and JSON of repeated values (a loss_mask of ones)
+# compresses ~100x, so a small input step keeps each output chunk small.
+_ZSTD_READ_BYTES = 1 << 17
+_UTF8_BOM = b"\xef\xbb\xbf"
+_MISSING = object()
+
+_FIX_LINE = 'write one JSON object per line, e.g. {"id": 7, "tokens": [1, 2, 3]}'
+_FIX_FLOAT_LIST = "write a list of finite JSON numbers, one per token"
+
+
+@dataclass(frozen=True, slots=True)
+class _Trajectory:
+    """One validated line. Per-token arrays already have the batch's dtypes.
+
+    The token array travels separately (see `_parse_line`) so that the
+    assembler can free every trajectory's copy as soon as the flat array
+    exists, which keeps peak memory near one copy of the tokens.
+    """
+
+    id: str | int
+    tree: str | int | None
+    line: int
+    num_tokens: int                     # >= 2
+    loss_mask: np.ndarray | None        # uint8 in {0, 1}; None = all ones
+    advantages: float | np.ndarray      # float32-representable scalar, or float32 per token
+    old_logprobs: np.ndarray | None     # float32, finite
+    ref_logprobs: np.ndarray | None     # float32, finite
+
+
+@dataclass(frozen=True, slots=True)
+class _Where:
+    """Where a line came from and the limits it must respect (for error messages)."""
+
+    source: str
+    line: int
+    vocab_size: int | None
+    capacity: int | None
+
+    def error(self, field: str | None, problem: str, fix: str) -> InputError:
+        return InputError(self.source, self.line, field, problem, fix)
+
+
+def read_trees(path: str | os.PathLike, *, vocab_size: int | None = None,
+               capacity: int | None = None) -> TrajectoryBatch:
+    """Read and validate a `trees.jsonl` (or `.jsonl.zst`) file, contract section 1.
+
+    `vocab_size`, when given, rejects any token >= vocab_size; `capacity`, when
+    given, rejects any trajectory longer than capacity tokens (it could not fit
+    in one microbatch). Raises `InputError` for every violation, for a missing
+    or unreadable file, a corrupted or truncated zstd stream, and a file with no
+    trajectories. Returns a batch satisfying every `TrajectoryBatch` invariant.
+    """
+    if vocab_size is not None and vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    if capacity is not None and capacity < 2:
+        raise ValueError(f"capacity must be >= 2, got {capacity}")
+    source = os.fspath(path)
+    if isinstance(source, bytes):
+        source = os.fsdecode(source)
+
+    trajectories: list[_Trajectory] = []
+    token_arrays: list[np.ndarray] = []  # int32, parallel to `trajectories`
+    # str(id) -> (line, id): ids must be unique as strings, see module docstring.
+    first_line_of: dict[str, tuple[int, str | int]] = {}
+    numbered_lines = _numbered_lines(source)
+    try:
+        for line_number, line in numbered_lines:
+            if line_number == 1 and line.startswith(_UTF8_BOM):
+                line = line[len(_UTF8_BOM):]
+            if not line or line.isspace():
+                continue
+            where = _Where(source, line_number, vocab_size, capacity)
+            trajectory, tokens = _parse_line(line, where)
+            key = str(trajectory.id)
+            earlier = first_line_of.get(key)
+            if earlier is not None:
+                raise _duplicate_id_error(where, trajectory.id, *earlier)
+            first_line_of[key] = (line_number, trajectory.id)
+            trajectories.append(trajectory)
+            token_arrays.append(tokens)
+    except InputError:
+        if source.endswith(".zst"):
+            # Decompressed garbage reaches the parser before the zstd checksum
+            # at the frame's end is checked; if the rest of the stream is
+            # corrupt, that, not a "malformed line", is the error to report.
+            for _ in numbered_lines:
+                pass
+        raise
+    finally:
+        numbered_lines.close()  # closes the file now, not when the traceback is freed
+
+    if not trajectories:
+        raise InputError(source, None, None, "no trajectories (the file is empty or only blank lines)",
+                         _FIX_LINE)
+    return _assemble(source, trajectories, token_arrays)
+
+
+# --- reading lines ---------------------------------------------------------------------------
+
+def _numbered_lines(source: str) -> Iterator[tuple[int, bytes]]:
+    """Yield (1-based physical line number, raw line bytes); I/O failures become InputError.
+
+    Errors are raised inside this generator, so an InputError raised by the
+    caller's loop body is never mistaken for a read failure.
+    """
+    compressed = source.endswith(".zst")
+    try:
+        with open(source, "rb") as file:
+            lines = _split_lines(_zstd_chunks(file, source)) if compressed else file
+            yield from enumerate(lines, start=1)
+    except OSError as err:
+        raise InputError(source, None, None, f"cannot read the file ({err.strerror or err})",
+                         "check the path and the file's permissions") from None
+    except zstandard.ZstdError as err:
+        raise InputError(source, None, None, f"corrupted zstd stream ({err})",
+                         "re-create the file with `zstd`, or pass the uncompressed .jsonl") from None
+
+
+def _zstd_chunks(file, source: str) -> Iterator[bytes]:
+    """Decompressed bytes of every zstd frame in `file`, in order.
+
+    A decompression object per frame (rather than `stream_reader`) lets us see
+    whether the last frame ended: a truncated download would otherwise read as
+    a shorter, perfectly valid file.
+    """
+    dctx = zstandard.ZstdDecompressor()
+    frame = dctx.decompressobj()
+    frame_started = False
+    while chunk := file.read(_ZSTD_READ_BYTES):
+        while chunk:
+            frame_started = True
+            out = frame.decompress(chunk)
+            if out:
+                yield out
+            if not frame.eof:
+                break
+            # Concatenated frames (`cat a.zst b.zst`, pzstd) are one valid stream.
+            chunk = frame.unused_data
+            frame = dctx.decompressobj()
+            frame_started = False
+    if frame_started:
+        raise InputError(source, None, None, "the zstd stream ends in the middle of a frame (truncated file)",
+                         "re-copy or re-create the file; `zstd -t` checks it")
+
+
+def _split_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """Split a byte stream into lines (each keeps its b'\\n'), linear in the total size.
+
+    Pieces of a line that spans chunks are joined once, so a line far longer
+    than a chunk costs no repeated copying.
+    """
+    pending: list[bytes] = []
+    for chunk in chunks:
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            piece = chunk[start:end + 1]
+            if pending:
+                pending.append(piece)
+                piece = b"".join(pending)
+                pending = []
+            yield piece
+            start = end + 1
+        if start < len(chunk):
+            pending.append(chunk[start:])
+    if pending:
+        yield b"".join(pending)
+
+
+# --- parsing one line ------------------------------------------------------------------------
+
+def _parse_line(line: bytes, where: _Where) -> tuple[_Trajectory, np.ndarray]:
+    """Validate one non-blank line into (record, int32 tokens), or raise InputError for that line."""
+    constants: list[str] = []
+    try:
+        obj = orjson.loads(line)
+        may_hold_bool = _may_hold_bool(line)
+    except orjson.JSONDecodeError as err:
+        obj = _loads_nonstandard(line, where, err, constants)
+        may_hold_bool = True
+    if type(obj) is not dict:
+        raise where.error(None, f"expected a JSON object, found {_describe(obj)}", _FIX_LINE)
+
+    traj_id = obj.get("id", _MISSING)
+    if traj_id is _MISSING:
+        raise where.error("id", "missing required field", 'add "id": a unique string or int')
+    if type(traj_id) is not str and type(traj_id) is not int:
+        raise where.error("id", f"expected a string or an int, found {_describe(traj_id)}",
+                          'write "id" as a JSON string or integer')
+
+    tree = obj.get("tree")
+    if tree is not None and type(tree) is not str and type(tree) is not int:
+        raise where.error("tree", f"expected a string or an int, found {_describe(tree)}",
+                          'write "tree" as a JSON string or integer, or leave it out')
+
+    tokens = _parse_tokens(obj.get("tokens", _MISSING), where, may_hold_bool)
+    num_tokens = len(tokens)
+    loss_mask = _parse_loss_mask(obj.get("loss_mask"), num_tokens, where, may_hold_bool)
+    advantages = _parse_advantages(obj.get("advantages"), num_tokens, where, may_hold_bool)
+    old_logprobs = _parse_float_list(obj.get("old_logprobs"), "old_logprobs", num_tokens, where,
+                                     may_hold_bool)
+    ref_logprobs = _parse_float_list(obj.get("ref_logprobs"), "ref_logprobs", num_tokens, where,
+                                     may_hold_bool)
+    if constants:
+        # Every field HARTS reads passed, so the NaN/Infinity sits in a field it
+        # ignores; the line is still not JSON.
+        raise where.error(None, f"malformed JSON: {constants[0]} is not a JSON value",
+                          "write finite numbers only (JSON has no NaN or Infinity)")
+    record = _Trajectory(traj_id, tree, where.line, num_tokens, loss_mask, advantages, old_logprobs,
+                         ref_logprobs)
+    return record, tokens
+
+
+def _may_hold_bool(line: bytes) -> bool:
+    """False only when the raw line cannot contain a JSON `true` or `false`.
+
+    numpy turns a list mixing bools and ints into ints without a trace, so a
+    bool must be caught before conversion. Both literals end in 'e', and a
+    one-byte find() is a memchr: digit-heavy lines hold few 'e's (key names,
+    float exponents), so on a long line this costs far less than searching for
+    the words. On a short line the key names' 'e's dominate, and the word
+    search is cheaper.
+    """
+    if len(line) < 8192:
+        return b"true" in line or b"false" in line
+    hits = 0
+    i = line.find(b"e")
+    while i >= 0:
+        if (i >= 3 and line.startswith(b"tru", i - 3)) or (i >= 4 and line.startswith(b"fals", i - 4)):
+            return True
+        hits += 1
+        if hits > 32:  # many exponents: one full search is cheaper than more probing
+            return b"true" in line or b"false" in line
+        i = line.find(b"e", i + 1)
+    return False
+
+
+def _loads_nonstandard(line: bytes, where: _Where, err: orjson.JSONDecodeError, constants: list[str]):
+    """Parse a line orjson rejected, so NaN/Infinity is reported on the field that holds it.
+
+    orjson refuses the `NaN` / `Infinity` literals (they are not JSON) with a
+    message that names only a column; Python's json accepts them, so the field
+    checks can then say e.g. "old_logprobs[3] = nan is not a finite float32".
+    Each such literal is appended to `constants`. A line that only orjson
+    rejects for another reason (a lone surrogate escape, very deep nesting) is
+    valid JSON and is read as such.
+    """
+    def keep_constant(name: str) -> float:
+        constants.append(name)
+        return float(name)
+
+    try:
+        return json.loads(line, parse_constant=keep_constant)
+    except (ValueError, RecursionError):
+        # orjson's column is the useful part: its "line 1" is always line 1 of this line.
+        column = f" at column {err.colno}" if getattr(err, "colno", None) else ""
+        raise where.error(None, f"malformed JSON: {err.msg}{column}", _FIX_LINE) from None
+
+
+def _parse_tokens(value, where: _Where, may_hold_bool: bool) -> np.ndarray:
+    """`tokens` as an int32 array: a list of >= 2 ints in [0, min(vocab_size, 2**31))."""
+    if value is _MISSING:
+        raise where.error("tokens", "missing required field", 'add "tokens": [list of token ids]')
+    if type(value) is not list:
+        raise where.error("tokens", f"expected a list of ints, found {_describe(value)}",
+                          'write "tokens" as a JSON list of non-negative integers')
+    if len(value) < 2:
+        raise where.error("tokens", f"needs at least 2 tokens, found {len(value)}",
+                          "drop this trajectory: with one token there is nothing to predict")
+    if where.capacity is not None and len(value) > where.capacity:
+        raise where.error("tokens", f"trajectory has {len(value)} tokens, more than the microbatch "
+                          f"capacity {where.capacity}",
+                          f"raise --capacity to at least {len(value)}, or split the trajectory")
+    limit = _TOKEN_LIMIT if where.vocab_size is None else min(where.vocab_size, _TOKEN_LIMIT)
+    array = _int_array(value, may_hold_bool)
+    # min/max are two vectorised passes; only a failing line pays for the element scan.
+    if array is None or array.min() < 0 or array.max() >= limit:
+        raise _token_error(value, where)
+    return array.astype(np.int32)
+
+
+def _token_error(value: list, where: _Where) -> InputError:
+    """The error for the first bad element of a token list already known to hold one."""
+    vocab = where.vocab_size
+    for i, x in enumerate(value):
+        if type(x) is float and x.is_integer() and x >= 2**63:
+            # orjson reads integers beyond 64 bits as floats; report what the user wrote.
+            return where.error("tokens", f"tokens[{i}] = {x:.3g} does not fit in int32",
+                               "token ids must be < 2**31; check the tokenizer output")
+        if type(x) is not int:
+            return where.error("tokens", f"tokens[{i}] is {_describe(x)}, expected an int >= 0",
+                               "write token ids as plain non-negative JSON integers")
+        if x < 0:
+            return where.error("tokens", f"tokens[{i}] = {x} is negative",
+                               "token ids are >= 0; check the tokenizer output")
+        if vocab is not None and x >= vocab:
+            return where.error("tokens", f"tokens[{i}] = {x} is outside the vocabulary (size {vocab})",
+                               "tokenize with the model's own tokenizer, or pass the model's vocab size")
+        if x >= _TOKEN_LIMIT:
+            return where.error("tokens", f"tokens[{i}] = {_short(x)} does not fit in int32",
+                               "token ids must be < 2**31; check the tokenizer output")
+    raise AssertionError("_token_error called on a valid token list")  # pragma: no cover
+
+
+def _parse_loss_mask(value, num_tokens: int, where: _Where, may_hold_bool: bool) -> np.ndarray | None:
+    """`loss_mask` as a uint8 array of 0/1, or None (all ones) when absent."""
+    if value is None:
+        return None
+    fix = f'write "loss_mask" as a list of {num_tokens} zeros and ones, or leave it out'
+    if type(value) is not list:
+        raise where.error("loss_mask", f"expected a list of 0/1, found {_describe(value)}", fix)
+    if len(value) != num_tokens:
+        raise where.error("loss_mask", f"has {len(value)} entries but tokens has {num_tokens}", fix)
+    array = _int_array(value, may_hold_bool)
+    if array is None or array.min() < 0 or array.max() > 1:
+        for i, x in enumerate(value):
+            if type(x) is not int or x not in (0, 1):
+                raise where.error("loss_mask", f"loss_mask[{i}] is {_describe(x)}, expected 0 or 1", fix)
+    return array.astype(np.uint8)
+
+
+def _parse_advantages(value, num_tokens: int, where: _Where, may_hold_bool: bool) -> float | np.ndarray:
+    """`advantages` as a float32-finite scalar (default 0.0) or a float32 array of num_tokens."""
+    if value is None:
+        return 0.0
+    if type(value) is int or type(value) is float:
+        if not _finite_float32(value):
+            raise where.error("advantages", f"{_describe(value)} is not a finite float32",
+                              "write a finite number")
+        return float(value)
+    if type(value) is not list:
+        raise where.error("advantages", f"expected a number or a list of numbers, found {_describe(value)}",
+                          f"write one number for the trajectory, or a list of {num_tokens} numbers")
+    return _parse_float_list(value, "advantages", num_tokens, where, may_hold_bool)
+
+
+def _parse_float_list(value, field: str, num_tokens: int, where: _Where,
+                      may_hold_bool: bool) -> np.ndarray | None:
+    """A per-token float field as a finite float32 array of num_tokens, or None when absent."""
+    if value is None:
+        return None
+    if type(value) is not list:
+        raise where.error(field, f"expected a list of {num_tokens} numbers, found {_describe(value)}",
+                          _FIX_FLOAT_LIST)
+    if len(value) != num_tokens:
+        raise where.error(field, f"has {len(value)} entries but tokens has {num_tokens}", _FIX_FLOAT_LIST)
+    try:
+        array = np.array(value)
+    except (ValueError, TypeError, OverflowError):
+        array = None
+    # A list of ints is fine (JSON writers print 0.0 as 0); bools are not numbers here.
+    ok = (array is not None and array.ndim == 1 and array.dtype.kind in "iuf"
+          and not (may_hold_bool and _holds_bool(value)))
+    if ok:
+        array = array.astype(np.float32)
+        ok = bool(np.isfinite(array).all())
+    if not ok:
+        for i, x in enumerate(value):
+            if type(x) is not int and type(x) is not float:
+                raise where.error(field, f"{field}[{i}] is {_describe(x)}, expected a number",
+                                  _FIX_FLOAT_LIST)
+            if not _finite_float32(x):
+                raise where.error(field, f"{field}[{i}] = {_short(x)} is not a finite float32",
+                                  _FIX_FLOAT_LIST)
+        raise AssertionError("float list rejected without a bad element")  # pragma: no cover
+    return array
+
+
+def _int_array(value: list, may_hold_bool: bool) -> np.ndarray | None:
+    """`value` as a 1-D numpy integer array, or None if any element is not a JSON int.
+
+    numpy's own dtype discovery does the type check in C: any float, string,
+    null or nested list yields a non-integer dtype or an exception. The one
+    case it hides, bools mixed with ints, is checked only when the raw line
+    could hold a bool. (An explicit int64 dtype plus a `sum()` type check was
+    measured no faster on whole files, so the plainer form stays.)
+    """
+    try:
+        array = np.array(value)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        return None
+    if may_hold_bool and _holds_bool(value):
+        return None
+    return array
+
+
+def _holds_bool(value: list) -> bool:
+    # Per-element, but only on lines whose raw bytes contain a true/false literal.
+    return any(type(x) is bool for x in value)
+
+
+def _finite_float32(x) -> bool:
+    try:
+        return math.isfinite(x) and abs(float(x)) <= _FLOAT32_MAX
+    except OverflowError:  # an int too large for a double
+        return False
+
+
+def _describe(x) -> str:
+    """A short human phrase for a JSON value: its JSON type and, if short, the value."""
+    if x is None:
+        return "null"
+    if type(x) is bool:
+        return "true (a boolean)" if x else "false (a boolean)"
+    if isinstance(x, dict):
+        return "an object"
+    if isinstance(x, list):
+        return "a list"
+    kind = {str: "a string", int: "an int", float: "a float"}.get(type(x), type(x).__name__)
+    return f"{kind} {_short(x)}"
+
+
+def _short(x) -> str:
+    """repr(x) cut to 40 characters: an error line stays one readable line."""
+    text = repr(x)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def _duplicate_id_error(where: _Where, traj_id, earlier_line: int, earlier_id) -> InputError:
+    if type(earlier_id) is type(traj_id):
+        problem = f"duplicate id {traj_id!r}, first used on line {earlier_line}"
+    else:
+        problem = (f"id {traj_id!r} and id {earlier_id!r} on line {earlier_line} are the same "
+                   f"string {str(traj_id)!r}, which keys per-trajectory outputs")
+    return where.error("id", problem, "give every trajectory a unique id")
+
+
+# --- assembling the batch --------------------------------------------------------------------
+
+def _assemble(source: str, trajectories: list[_Trajectory],
+              token_arrays: list[np.ndarray]) -> TrajectoryBatch:
+    """Flatten validated trajectories into the batch's arrays; empties `token_arrays`.
+
+    Tokens are joined with one concatenate; optional fields are allocated once
+    at their default and only the trajectories that gave a value are written,
+    so the common case (no mask, scalar advantages) copies nothing per token.
+    """
+    n = len(trajectories)
+    lengths = np.fromiter((t.num_tokens for t in trajectories), dtype=np.int64, count=n)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    num_tokens = int(offsets[-1])
+    tokens = np.concatenate(token_arrays)
+    token_arrays.clear()  # the per-line copies are dead from here on; free them before allocating more
+
+    loss_mask = np.ones(num_tokens, dtype=np.uint8)
+    scalar_advantages = np.zeros(n, dtype=np.float32)
+    per_token_advantages = []
+    for k, t in enumerate(trajectories):
+        if t.loss_mask is not None:
+            loss_mask[offsets[k]:offsets[k + 1]] = t.loss_mask
+        if isinstance(t.advantages, np.ndarray):
+            per_token_advantages.append(k)
+        else:
+            scalar_advantages[k] = t.advantages
+    advantages = np.repeat(scalar_advantages, lengths)
+    for k in per_token_advantages:
+        advantages[offsets[k]:offsets[k + 1]] = trajectories[k].advantages
+
+    has_old = np.fromiter((t.old_logprobs is not None for t in trajectories), dtype=bool, count=n)
+    has_ref = np.fromiter((t.ref_logprobs is not None for t in trajectories), dtype=bool, count=n)
+    return TrajectoryBatch(
+        source=source,
+        ids=tuple(t.id for t in trajectories),
+        trees=tuple(t.tree for t in trajectories),
+        lines=np.fromiter((t.line for t in trajectories), dtype=np.int64, count=n),
+        token_offsets=offsets,
+        tokens=tokens,
+        loss_mask=loss_mask,
+        advantages=advantages,
+        old_logprobs=_scatter_optional(trajectories, "old_logprobs", has_old, offsets),
+        ref_logprobs=_scatter_optional(trajectories, "ref_logprobs", has_ref, offsets),
+        has_old_logprobs=has_old,
+        has_ref_logprobs=has_ref,
+    )
+
+
+def _scatter_optional(trajectories: list[_Trajectory], field: str, present: np.ndarray,
+                      offsets: np.ndarray) -> np.ndarray | None:
+    """A flat float32 array, NaN where a trajectory lacks `field`; None if none has it."""
+    if not present.any():
+        return None
+    flat = np.full(int(offsets[-1]), np.nan, dtype=np.float32)
+    for k in np.flatnonzero(present):
+        flat[offsets[k]:offsets[k + 1]] = getattr(trajectories[k], field)
+    return flat
