@@ -1,0 +1,282 @@
+"""The fast path: ancestor attention over compact rows, blockwise, flash-style backward.
+
+Each compact row's query reads the keys and values of its path (itself and
+every earlier position), exactly as in its own trajectory run alone, and the
+output lands back on the row. Views (members that created rows) are packed in
+blocks of consecutive views whose key paths total at most `block_tokens`; a
+longer view is a block alone. Within a block, queries go in tiles of at most
+`block_tokens` and keys in chunks of at most `block_tokens`, so the largest
+temporary is one score tile [H, B, B] plus one gathered chunk [B, Hkv, D].
+
+Keys and values are gathered with `index_select` from the compact tensors and
+their gradients are summed back with `index_add_`, so a shared prefix row
+receives the gradient of every query that read it. Backward recomputes the
+score tiles from the saved log-sum-exp (flash-attention 2), so what is saved
+for backward is q, k, v, o and the lse: O(R * H * D), never O(n^2) and never
+the trajectory-expanded total.
+
+Legend: R compact rows, H query heads, Hkv key/value heads, G = H / Hkv query
+heads per kv head, Dk query/key dim, Dv value dim, B block_tokens, Tq query
+tile, Tk key chunk, Nq / Nk queries / keys of one block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.autograd.function import once_differentiable
+
+from .views import AttentionViews
+
+# 1024 keeps one float32 score tile of 32 heads at 128 MiB while making the
+# matmuls big enough that Python overhead per tile is negligible.
+DEFAULT_BLOCK_TOKENS = 1024
+
+
+def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; float32, bfloat16 and float16 compute in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_inputs(q, k, v, views, scale, block_tokens) -> None:
+    """Validate the public arguments; raise ValueError saying what was got."""
+    if not isinstance(views, AttentionViews):
+        raise ValueError(f"views must be an AttentionViews, got {type(views).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor, got dtype {x.dtype}")
+        if x.dim() != 3:
+            raise ValueError(f"{name} must be 3-D [R, heads, dim], got shape {tuple(x.shape)}")
+        if x.shape[0] != views.num_rows:
+            raise ValueError(f"{name} must have R={views.num_rows} rows (the views'), got shape {tuple(x.shape)}")
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"k must have q's head dim Dk={q.shape[2]}, got shape {tuple(k.shape)}")
+    if v.shape[1] != num_kv_heads:
+        raise ValueError(f"v must have k's Hkv={num_kv_heads} heads, got shape {tuple(v.shape)}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(f"query heads H={num_heads} must be a positive multiple of kv heads Hkv={num_kv_heads}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+        raise ValueError(f"scale must be None (Dk ** -0.5) or a positive number, got {scale!r}")
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+        raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """Index tensors of one block of views (on the compute device)."""
+
+    query_rows: torch.Tensor  # [Nq] rows queried, view by view, positions ascending
+    query_pos: torch.Tensor   # [Nq]
+    query_view: torch.Tensor  # [Nq] view index local to the block
+    key_rows: torch.Tensor    # [Nk] rows of the key paths, view by view, positions 0..n-1
+    key_pos: torch.Tensor     # [Nk]
+    key_view: torch.Tensor    # [Nk]
+    single_view: bool         # one view: key index == key position, no view mask
+    first_query_pos: int      # single view only: own_start
+
+
+@dataclass(frozen=True, slots=True)
+class _Tile:
+    query: slice               # into the block's query lists
+    keys: tuple[tuple[slice, bool], ...]  # key chunks into the block's key lists, and whether a mask is needed
+
+
+def _positions(lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Concatenate `arange(s, n)` over views: positions of a block's keys or queries."""
+    counts = lengths - starts
+    base = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.arange(int(counts.sum()), dtype=np.int64) - base + np.repeat(starts, counts)
+
+
+def _iter_blocks(views: AttentionViews, block_tokens: int, device: torch.device):
+    """Expand one block's index arrays at a time: host memory O(block), not O(expanded total)."""
+    for lo, hi in views.blocks(block_tokens):
+        lengths = views.view_length[lo:hi]
+        query_start = views.view_query_start[lo:hi]
+        local = np.arange(hi - lo, dtype=np.int64)
+        arrays = (
+            views.query_rows(lo, hi),
+            _positions(lengths, query_start),
+            np.repeat(local, lengths - query_start),
+            views.key_rows(lo, hi),
+            _positions(lengths, np.zeros_like(lengths)),
+            np.repeat(local, lengths),
+        )
+        tensors = [torch.from_numpy(a).to(device) for a in arrays]
+        yield _Block(*tensors, single_view=(hi - lo == 1), first_query_pos=int(query_start[0]))
+
+
+def _tiles(block: _Block, block_tokens: int):
+    """Query tiles of at most B rows, each with the key chunks it can see."""
+    num_queries = block.query_rows.numel()
+    num_keys = block.key_rows.numel()
+    for a in range(0, num_queries, block_tokens):
+        b = min(a + block_tokens, num_queries)
+        if not block.single_view:
+            # Multi-view blocks hold <= B keys: one chunk, masked by view and position.
+            yield _Tile(slice(a, b), ((slice(0, num_keys), True),))
+            continue
+        # One view: query positions are first_query_pos + index, keys are positions 0..n-1.
+        lo_pos, hi_pos = block.first_query_pos + a, block.first_query_pos + b - 1
+        chunks = []
+        for c in range(0, hi_pos + 1, block_tokens):
+            d = min(c + block_tokens, hi_pos + 1)
+            # Bottom-right causal: only a chunk reaching past the tile's first query needs a mask.
+            chunks.append((slice(c, d), d - 1 > lo_pos))
+        yield _Tile(slice(a, b), tuple(chunks))
+
+
+def _mask(block: _Block, tile_query: slice, keys: slice) -> torch.Tensor:
+    """[Tq, Tk] True where the query may read the key: same view, key position <= query position."""
+    allowed = block.key_pos[keys][None, :] <= block.query_pos[tile_query][:, None]
+    if not block.single_view:
+        allowed &= block.key_view[keys][None, :] == block.query_view[tile_query][:, None]
+    return allowed
+
+
+def _heads_first(x_THD: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[T, H, D] -> [Hkv, G * T, D]: query head h = kv_head * G + g reads kv head h // G."""
+    tokens, heads, dim = x_THD.shape
+    group = heads // num_kv_heads
+    return x_THD.view(tokens, num_kv_heads, group, dim).permute(1, 2, 0, 3).reshape(num_kv_heads, group * tokens, dim)
+
+
+def _tokens_first(x_HGTD: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Inverse of `_heads_first`: [Hkv, G * T, D] -> [T, H, D]."""
+    num_kv_heads, _, dim = x_HGTD.shape
+    return x_HGTD.view(num_kv_heads, -1, tokens, dim).permute(2, 0, 1, 3).reshape(tokens, -1, dim)
+
+
+def _masked_scores(qs_HQD, k_NHD, keys, needs_mask, block, tile_query, num_kv_heads, tokens):
+    """Scaled scores [Hkv, G * Tq, Tk] of one tile against one gathered key chunk, masked to -inf."""
+    k_HDK = k_NHD.permute(1, 2, 0)
+    s_HQK = torch.bmm(qs_HQD, k_HDK)
+    if needs_mask:
+        allowed_TK = _mask(block, tile_query, keys)
+        s_HQK.view(num_kv_heads, -1, tokens, s_HQK.shape[-1]).masked_fill_(~allowed_TK, float("-inf"))
+    return s_HQK
+
+
+def _forward(q_RHD, k_RHD, v_RHD, views, block_tokens, scale):
+    num_rows, num_heads, _ = q_RHD.shape
+    num_kv_heads, value_dim = v_RHD.shape[1], v_RHD.shape[2]
+    o_RHD = q_RHD.new_empty(num_rows, num_heads, value_dim)
+    lse_RH = q_RHD.new_empty(num_rows, num_heads)
+    for block in _iter_blocks(views, block_tokens, q_RHD.device):
+        for tile in _tiles(block, block_tokens):
+            rows_T = block.query_rows[tile.query]
+            tokens = rows_T.numel()
+            qs_HQD = _heads_first(q_RHD.index_select(0, rows_T), num_kv_heads) * scale
+            # Online softmax over key chunks; a row whose chunk is fully masked has
+            # max -inf, so the shift uses 0 there to keep exp() free of NaN.
+            max_HQ = qs_HQD.new_full(qs_HQD.shape[:2], float("-inf"))
+            sum_HQ = qs_HQD.new_zeros(qs_HQD.shape[:2])
+            acc_HQD = qs_HQD.new_zeros(num_kv_heads, qs_HQD.shape[1], value_dim)
+            for keys, needs_mask in tile.keys:
+                rows_K = block.key_rows[keys]
+                s_HQK = _masked_scores(qs_HQD, k_RHD.index_select(0, rows_K), keys, needs_mask, block,
+                                       tile.query, num_kv_heads, tokens)
+                new_max_HQ = torch.maximum(max_HQ, s_HQK.amax(dim=-1))
+                shift_HQ = torch.where(torch.isinf(new_max_HQ), torch.zeros_like(new_max_HQ), new_max_HQ)
+                p_HQK = s_HQK.sub_(shift_HQ[..., None]).exp_()
+                rescale_HQ = torch.exp(max_HQ - shift_HQ)
+                sum_HQ = sum_HQ * rescale_HQ + p_HQK.sum(dim=-1)
+                v_HKD = v_RHD.index_select(0, rows_K).permute(1, 0, 2)
+                acc_HQD = torch.baddbmm(acc_HQD * rescale_HQ[..., None], p_HQK, v_HKD)
+                max_HQ = new_max_HQ
+            # Every query reads at least itself, so sum_HQ > 0 here.
+            o_RHD.index_copy_(0, rows_T, _tokens_first(acc_HQD / sum_HQ[..., None], tokens))
+            lse_RH.index_copy_(0, rows_T, _tokens_first((max_HQ + sum_HQ.log())[..., None], tokens)[..., 0])
+    return o_RHD, lse_RH
+
+
+def _backward(do_RHD, q_RHD, k_RHD, v_RHD, o_RHD, lse_RH, views, block_tokens, scale):
+    num_kv_heads = k_RHD.shape[1]
+    dq_RHD = torch.zeros_like(q_RHD)
+    dk_RHD = torch.zeros_like(k_RHD)
+    dv_RHD = torch.zeros_like(v_RHD)
+    for block in _iter_blocks(views, block_tokens, q_RHD.device):
+        for tile in _tiles(block, block_tokens):
+            rows_T = block.query_rows[tile.query]
+            tokens = rows_T.numel()
+            qs_HQD = _heads_first(q_RHD.index_select(0, rows_T), num_kv_heads) * scale
+            do_HQD = _heads_first(do_RHD.index_select(0, rows_T), num_kv_heads)
+            o_HQD = _heads_first(o_RHD.index_select(0, rows_T), num_kv_heads)
+            lse_HQ = _heads_first(lse_RH.index_select(0, rows_T)[..., None], num_kv_heads)[..., 0]
+            delta_HQ = (do_HQD * o_HQD).sum(dim=-1)  # rowsum(dO * O) = rowsum(P * dP)
+            dq_HQD = torch.zeros_like(qs_HQD)
+            for keys, needs_mask in tile.keys:
+                rows_K = block.key_rows[keys]
+                k_KHD = k_RHD.index_select(0, rows_K)
+                s_HQK = _masked_scores(qs_HQD, k_KHD, keys, needs_mask, block, tile.query, num_kv_heads, tokens)
+                p_HQK = s_HQK.sub_(lse_HQ[..., None]).exp_()  # masked entries: exp(-inf) = 0
+                v_HKD = v_RHD.index_select(0, rows_K).permute(1, 0, 2)
+                # Summing over the G * Tq axis also sums the query heads sharing a kv head.
+                dv_RHD.index_add_(0, rows_K, torch.bmm(p_HQK.transpose(1, 2), do_HQD).permute(1, 0, 2))
+                dp_HQK = torch.bmm(do_HQD, v_HKD.transpose(1, 2))
+                ds_HQK = p_HQK.mul_(dp_HQK.sub_(delta_HQ[..., None]))
+                dq_HQD.baddbmm_(ds_HQK, k_KHD.permute(1, 0, 2))
+                dk_RHD.index_add_(0, rows_K, torch.bmm(ds_HQK.transpose(1, 2), qs_HQD).permute(1, 0, 2))
+            dq_RHD.index_copy_(0, rows_T, _tokens_first(dq_HQD * scale, tokens))
+    return dq_RHD, dk_RHD, dv_RHD
+
+
+class _AncestorAttention(torch.autograd.Function):
+    """Saves q, k, v, o, lse only; backward recomputes every score tile."""
+
+    @staticmethod
+    def forward(ctx, q_RHD, k_RHD, v_RHD, views, block_tokens, scale):
+        o_RHD, lse_RH = _forward(q_RHD, k_RHD, v_RHD, views, block_tokens, scale)
+        ctx.save_for_backward(q_RHD, k_RHD, v_RHD, o_RHD, lse_RH)
+        ctx.views, ctx.block_tokens, ctx.scale = views, block_tokens, scale
+        return o_RHD
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do_RHD):
+        q_RHD, k_RHD, v_RHD, o_RHD, lse_RH = ctx.saved_tensors
+        grads = _backward(do_RHD.to(o_RHD.dtype).contiguous(), q_RHD, k_RHD, v_RHD, o_RHD, lse_RH,
+                          ctx.views, ctx.block_tokens, ctx.scale)
+        return (*grads, None, None, None)
+
+
+def ancestor_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    views: AttentionViews,
+    scale: float | None = None,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+) -> torch.Tensor:
+    """Causal softmax attention of every compact row over its ancestors; returns o [R, H, Dv].
+
+    Args:
+        q: [R, H, Dk] queries of the compact rows.
+        k: [R, Hkv, Dk] keys; H must be a multiple of Hkv (query head h reads kv head h // (H / Hkv)).
+        v: [R, Hkv, Dv] values; Dv may differ from Dk (MLA).
+        views: the microbatch's `AttentionViews` (same R).
+        scale: score scale, default Dk ** -0.5.
+        block_tokens: B, the most keys gathered per block and per chunk and the
+            most queries per tile; peak temporary memory is O(H * B^2).
+
+    Row r's output equals the output at its position of plain causal attention
+    over any trajectory that contains it. float64 computes in float64, other
+    float dtypes in float32; the result has q's dtype.
+    """
+    check_inputs(q, k, v, views, scale, block_tokens)
+    dtype = compute_dtype_for(q.dtype)
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    if views.num_rows == 0:
+        return q.new_zeros(0, q.shape[1], v.shape[2])
+    q_RHD, k_RHD, v_RHD = (x.to(dtype).contiguous() for x in (q, k, v))
+    o_RHD = _AncestorAttention.apply(q_RHD, k_RHD, v_RHD, views, block_tokens, scale)
+    return o_RHD.to(q.dtype)
