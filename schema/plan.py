@@ -35,7 +35,10 @@ microbatches[i]
     ``member_trajectory`` int64[k] (file index), ``member_own_start`` int64[k]
     (first position whose row this member created), ``member_run_offsets``
     int64[k+1], ``run_row_start`` int64[R'], ``run_length`` int64[R'] (each
-    member's positions 0..n-1 map to the concatenated runs).
+    member's positions 0..n-1 map to the concatenated runs);
+    ``segment_row_start`` int64[V+1], ``segment_parent`` int64[V] (-1 for a
+    root), ``segment_level`` int64[V]: the fork-free segments in memory order,
+    for node-wise execution.
 summary
     the deterministic statistics of `harts stats` (timings excluded).
 """

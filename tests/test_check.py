@@ -115,7 +115,18 @@ def break_membership(plan, mb):
     mb["member_trajectory"][mb["member_trajectory"] == 4] = 3
 
 
+def break_segment_level(plan, mb):
+    mb["segment_level"][-1] += 1
+
+
+def break_segment_parent(plan, mb):
+    child = int(np.flatnonzero(mb["segment_parent"] >= 0)[0])
+    mb["segment_parent"][child] = -1
+
+
 CASES = {
+    "segment-level": (break_segment_level, "segment level"),
+    "segment-parent": (break_segment_parent, "hangs below its parent segment"),
     "capacity": (break_capacity, "capacity"),
     "token": (break_token, "has its token"),
     "multiplicity": (break_multiplicity, "multiplicity counts occurrences"),

@@ -13,7 +13,8 @@ witness that a plan is legal:
 * every sequence starts at an anchor (a multiple of B) and replays fewer than
   B rows, exactly the path rows between the anchor and its first row;
 * every non-zero start state is exported at a chunk boundary of its producer,
-  by a sequence of an earlier round.
+  by a sequence of an earlier round;
+* the node-wise tables tile the rows into parent chains below their parents.
 """
 from __future__ import annotations
 
@@ -139,6 +140,30 @@ def check_sequences(i: int, mb: dict, chunk_size: int) -> None:
                  f"reads a state of round {rounds[export_seq[e]]}")
 
 
+def check_segments(i: int, mb: dict) -> None:
+    """Node-wise tables: segments tile memory, each a parent chain hanging below its parent segment's last row."""
+    C = len(mb["row_token"])
+    start = np.asarray(mb["segment_row_start"], dtype=np.int64)
+    parent_seg = np.asarray(mb["segment_parent"], dtype=np.int64)
+    level = np.asarray(mb["segment_level"], dtype=np.int64)
+    if len(start) != len(parent_seg) + 1 or start[0] != 0 or start[-1] != C or np.any(np.diff(start) <= 0):
+        fail(i, "segments tile the rows in memory order", "segment_row_start is not a partition")
+    parent = mb["row_parent"].astype(np.int64)
+    rows = np.arange(C)
+    first = np.zeros(C, dtype=bool)
+    first[start[:-1]] = True
+    if np.any(parent[~first] != rows[~first] - 1):
+        fail(i, "a segment is a parent chain", "an inner row's parent is not the row before it")
+    roots = parent_seg < 0
+    if np.any(parent_seg >= np.arange(len(parent_seg))):
+        fail(i, "a parent segment comes earlier in memory", "segment_parent points forward")
+    heads = parent[start[:-1]]
+    if np.any(heads[roots] != -1) or np.any(heads[~roots] != start[1:][parent_seg[~roots]] - 1):
+        fail(i, "a segment hangs below its parent segment's last row", "segment_parent disagrees with row_parent")
+    if np.any(level[roots] != 0) or np.any(level[~roots] != level[parent_seg[~roots]] + 1):
+        fail(i, "segment level is its depth in the segment tree", "segment_level is wrong")
+
+
 def check_plan(plan: Plan, trees_tokens: np.ndarray | None = None, trees_offsets: np.ndarray | None = None) -> None:
     flags, step = plan.flags, plan.step
     dp, capacity, chunk_size = int(flags["dp"]), int(flags["capacity"]), int(flags["chunk_size"])
@@ -156,6 +181,7 @@ def check_plan(plan: Plan, trees_tokens: np.ndarray | None = None, trees_offsets
         members = check_members(i, mb, step, trees_tokens)
         np.add.at(seen, members, 1)
         check_sequences(i, mb, chunk_size)
+        check_segments(i, mb)
     if np.any(seen != 1):
         bad = int(np.flatnonzero(seen != 1)[0])
         raise VerificationError("every trajectory is in exactly one microbatch",

@@ -46,6 +46,32 @@ def lower_member_runs(layout: CompactLayout, replay: ReplayPlan) -> tuple[np.nda
     return member_offsets, piece_exec_start.astype(np.int64), (piece_hi - piece_lo).astype(np.int64)
 
 
+def lower_segments(layout: CompactLayout, replay: ReplayPlan) -> dict:
+    """Segments in memory order, for node-wise execution (one linear-attention call per segment).
+
+    Each segment is a contiguous memory range; its parent segment comes earlier
+    in memory; its level is its depth in the segment tree (roots 0), so the
+    segments of one level can run side by side once the previous level ran.
+    """
+    order = replay.segment_order
+    memory_index = np.empty_like(order)
+    memory_index[order] = np.arange(len(order))
+    seg_len = np.diff(layout.segment_row_start)[order]
+    row_start = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(seg_len, out=row_start[1:])
+    parent_creation = layout.segment_parent.astype(np.int64)
+    level = np.zeros(layout.num_segments, dtype=np.int64)
+    for v in range(layout.num_segments):   # creation order: parents before children
+        if parent_creation[v] >= 0:
+            level[v] = level[parent_creation[v]] + 1
+    parent = parent_creation[order]
+    return {
+        "segment_row_start": row_start,
+        "segment_parent": np.where(parent >= 0, memory_index[np.maximum(parent, 0)], -1),
+        "segment_level": level[order],
+    }
+
+
 def lower_microbatch(layout: CompactLayout, schedule: RoundSchedule, replay: ReplayPlan,
                      *, replica: int, slot: int) -> dict:
     perm = replay.row_of_exec
@@ -76,6 +102,7 @@ def lower_microbatch(layout: CompactLayout, schedule: RoundSchedule, replay: Rep
         "member_run_offsets": member_run_offsets,
         "run_row_start": run_row_start,
         "run_length": run_length,
+        **lower_segments(layout, replay),
     }
 
 

@@ -31,6 +31,7 @@ from harts.schema.errors import VerificationError
 class ReplayPlan:
     """Memory order and linear-attention call tables of one microbatch (rows in memory order)."""
 
+    segment_order: np.ndarray         # int64[V]: creation-order segments in memory order
     exec_of_row: np.ndarray           # int64[C]: memory position of each creation-order row
     row_of_exec: np.ndarray           # int64[C]: creation-order row at each memory position
     sequence_round: np.ndarray        # int32[Q]
@@ -116,6 +117,7 @@ def plan_replay(layout: CompactLayout, schedule: RoundSchedule) -> ReplayPlan:
     rounds = schedule.sequence_round.astype(np.int64)
     round_offsets = np.searchsorted(rounds, np.arange(1, schedule.num_rounds + 2), side="left").astype(np.int64)
     plan = ReplayPlan(
+        segment_order=order,
         exec_of_row=exec_of_row,
         row_of_exec=row_of_exec,
         sequence_round=schedule.sequence_round.astype(np.int32),
