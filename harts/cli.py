@@ -8,6 +8,8 @@ SUBCOMMANDS = {
     "demo": ("harts.tools.demo", "generate, compile, check and summarise a small step end to end"),
     "stats": ("harts.tools.stats", "summarise a plan (--json for one JSON object)"),
     "check": ("harts.tools.check", "verify every plan invariant (--trees to check tokens too)"),
+    "run": ("harts.executor.cli", "run a plan on a Hugging Face model: log-probabilities, loss, gradients"),
+    "init-model": ("harts.executor.models.init_model", "write a random model as a Hugging Face directory"),
     "gen": ("harts.tools.gen", "generate a synthetic agentic workload (stepwise or treestep)"),
 }
 

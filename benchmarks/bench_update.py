@@ -1,0 +1,147 @@
+"""Update throughput on CPU: per-trajectory Hugging Face, expanded, compact and node-wise.
+
+Usage:
+    python benchmarks/bench_update.py [--kinds stepwise,treestep] [--preset tiny] [--scale small]
+
+For each generated workload (step-wise and tree-step, SWE-shaped but scaled
+down so a CPU finishes) and a tiny Kimi Linear model, every configuration runs
+forward + backward of the `nll` loss over the whole step in its own process
+(so each peak RSS is its own), planning included where it plans:
+
+* `hf-per-trajectory`: the Hugging Face model's own forward/backward on one
+  trajectory at a time, with transformers' KDA chunk fallback replaced by our
+  chunk op (same math; the fallback's 64-step Python loop and [.., 64, 64, K]
+  mask made the baseline ~5x slower, which would flatter HARTS);
+* `expanded`: our executor with sharing disabled (every trajectory alone);
+* `compact`: the plan's compact rows, minimum-call rounds and replay;
+* `nodewise`: compact rows with one linear-attention call per tree segment
+  (the paper's Section 5.4 ablation).
+
+Throughput is original tokens / wall seconds (compile + forward + backward).
+Targets (issue #3): compact/expanded >= 0.8 x compression; compact >= 1.5 x
+node-wise; expanded no slower than 1.2 x the per-trajectory baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WORKLOADS = {
+    # Step-wise: SWE-shaped (long shared prompt, tool outputs) at a CPU-sized scale.
+    "small": dict(tasks=2, group_size=3, system_prompt_tokens=768, task_tokens_min=128, task_tokens_max=256,
+                  turns_min=4, turns_max=8, action_tokens_median=48.0, tool_tokens_median=160.0,
+                  tool_tokens_max=1024, context_limit=4096),
+}
+
+
+def generate(kind: str, scale: str, vocab: int, out: Path) -> None:
+    from harts.tools import gen
+
+    config = gen.GenConfig(kind=kind, vocab_size=vocab, seed=0, **WORKLOADS[scale])
+    gen.write_jsonl(gen.generate(config), out)
+
+
+def child(config: str, trees: str, model_dir: str, chunk_size: int) -> None:
+    """Run one configuration and print a JSON line (seconds, rows, peak RSS)."""
+    import numpy as np
+    import torch
+
+    from harts.compiler.pipeline import CompileOptions, compile_batch
+    from harts.compiler.read_trees import read_trees
+    from harts.executor.cli import load_model
+    from harts.executor.models.hf_reference import our_kda_core, trajectory_logprobs
+    from harts.executor.runtime import run_step
+
+    torch.manual_seed(0)
+    model = load_model(model_dir)
+    batch = read_trees(trees)
+    started = time.perf_counter()
+    if config == "hf-per-trajectory":
+        with our_kda_core():
+            model.zero_grad(set_to_none=True)
+            count = int(batch.lengths.sum() - len(batch.lengths))
+            rows = 0
+            for t in range(batch.num_trajectories):
+                tokens = batch.tokens_of(t)
+                lp = trajectory_logprobs(model, tokens)
+                (-lp.sum() / count).backward()
+                rows += len(tokens)
+        compression = 1.0
+    else:
+        result = compile_batch(batch, CompileOptions(chunk_size=chunk_size, capacity=1 << 20))
+        mode = config
+        step = run_step(result.plan, model, mode=mode)
+        rows = step.rows
+        compression = batch.num_tokens / sum(len(mb["row_token"]) for mb in result.plan.microbatches)
+    seconds = time.perf_counter() - started
+    print(json.dumps({"seconds": seconds, "rows": rows, "compression": compression,
+                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "tokens": int(batch.num_tokens)}))
+    del np
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", default="stepwise,treestep", help="comma-separated workloads (default both)")
+    parser.add_argument("--scale", choices=sorted(WORKLOADS), default="small", help="workload size (default small)")
+    parser.add_argument("--preset", default="tiny", help="model preset (default tiny)")
+    parser.add_argument("--configs", default="hf-per-trajectory,expanded,compact,nodewise",
+                        help="comma-separated configurations (default all four)")
+    parser.add_argument("--chunk-size", type=int, default=64, help="chunk size B (default 64, as the model's kernels)")
+    parser.add_argument("--child", nargs=4, metavar=("CONFIG", "TREES", "MODEL", "B"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child[0], args.child[1], args.child[2], int(args.child[3]))
+        return
+
+    from harts.executor.models.init_model import init_model
+
+    folder = Path(tempfile.mkdtemp(prefix="harts-bench-update-"))
+    vocab = 4096
+    model_dir = folder / "model"
+    init_model("kimi_linear", args.preset, model_dir, vocab_size=vocab)
+    print(f"model: kimi_linear {args.preset}, vocab {vocab}; workloads in {folder}", file=sys.stderr)
+    table = []
+    for kind in args.kinds.split(","):
+        trees = folder / f"{kind}.jsonl"
+        generate(kind, args.scale, vocab, trees)
+        results = {}
+        for config in args.configs.split(","):
+            out = subprocess.run([sys.executable, __file__, "--child", config, str(trees), str(model_dir),
+                                  str(args.chunk_size)], capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(f"{config} on {kind} failed:\n{out.stderr[-3000:]}")
+            results[config] = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"  {kind:<9} {config:<18} {results[config]['seconds']:.1f}s", file=sys.stderr)
+        table.append((kind, results))
+
+    print(f"{'workload':<10} {'configuration':<36} {'tokens':>8} {'rows':>8} {'compr.':>7} {'seconds':>8} "
+          f"{'tokens/s':>9} {'peak MiB':>9}")
+    for kind, results in table:
+        for config, r in results.items():
+            name = config + (" (our KDA chunk core)" if config == "hf-per-trajectory" else "")
+            print(f"{kind:<10} {name:<36} {r['tokens']:>8} {r['rows']:>8} {r['compression']:>6.2f}x "
+                  f"{r['seconds']:>8.2f} {r['tokens'] / r['seconds']:>9.0f} {r['peak_rss_mib']:>9.0f}")
+        rate = {c: r["tokens"] / r["seconds"] for c, r in results.items()}
+        if {"compact", "expanded"} <= rate.keys():
+            ratio = rate["compact"] / rate["expanded"]
+            need = 0.8 * results["compact"]["compression"]
+            print(f"{kind:<10} compact/expanded {ratio:.2f}x (target >= 0.8 x compression = {need:.2f}x): "
+                  f"{'met' if ratio >= need else 'MISSED'}")
+        if {"compact", "nodewise"} <= rate.keys():
+            ratio = rate["compact"] / rate["nodewise"]
+            print(f"{kind:<10} compact/nodewise {ratio:.2f}x (target >= 1.5x): {'met' if ratio >= 1.5 else 'MISSED'}")
+        if {"expanded", "hf-per-trajectory"} <= rate.keys():
+            slowdown = rate["hf-per-trajectory"] / rate["expanded"]
+            print(f"{kind:<10} expanded time / per-trajectory time {slowdown:.2f} (target <= 1.2): "
+                  f"{'met' if slowdown <= 1.2 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""`harts run PLAN --model DIR`: run a compiled step on a Hugging Face model directory."""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from harts.executor.layout import MODES
+from harts.executor.losses import LOSSES, LossConfig
+from harts.schema.errors import HartsError
+from harts.schema.plan import atomic_write_bytes, read_plan
+
+
+def load_model(model_dir: str, dtype: str = "float32"):
+    """Load from local disk only; one clear line when the directory is not a model."""
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise HartsError(f"{model_dir}: no config.json; fix: pass a Hugging Face model directory "
+                         "(harts init-model writes one)")
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=getattr(torch, dtype))
+    except (OSError, ValueError, KeyError) as err:
+        raise HartsError(f"{model_dir}: cannot load the model ({str(err).splitlines()[0]}); "
+                         "fix: pass a complete Hugging Face model directory") from None
+    return model.train(False)
+
+
+def write_logprobs(path: str, logprobs: dict) -> None:
+    buffer = io.BytesIO()
+    np.savez(buffer, **logprobs)
+    atomic_write_bytes(Path(path), buffer.getvalue())
+
+
+def write_grads(path: str, grads: dict) -> None:
+    from safetensors.torch import save
+
+    atomic_write_bytes(Path(path), save({k: v.contiguous() for k, v in grads.items()}))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="harts run", description="Run a HARTS plan (forward + backward) on a model.")
+    p.add_argument("plan", help="plan file written by hartsc")
+    p.add_argument("--model", required=True, help="Hugging Face model directory (config.json + safetensors), local disk")
+    p.add_argument("--mode", choices=MODES, default="compact",
+                   help="compact (default): shared prefixes once; expanded: every trajectory alone (baseline); "
+                        "nodewise: one linear-attention call per tree segment (ablation)")
+    p.add_argument("--no-replay", action="store_true",
+                   help="hand over the exact fork state instead of replaying from the chunk anchor (ablation; "
+                        "runs the node-wise call tables)")
+    p.add_argument("--loss", choices=LOSSES, default="nll", help="objective (default nll: token-mean NLL)")
+    p.add_argument("--clip-low", type=float, default=0.2, help="grpo/ppo: ratio clipped below at 1 - this (default 0.2)")
+    p.add_argument("--clip-high", type=float, default=0.2, help="grpo/ppo: ratio clipped above at 1 + this (default 0.2)")
+    p.add_argument("--kl-coef", type=float, default=0.0, help="grpo/ppo: weight of the k3 KL to ref_logprobs (default 0)")
+    p.add_argument("--moe-aux-coef", type=float, default=0.0, help="weight of the MoE load-balancing loss (default 0: reported only)")
+    p.add_argument("--moe-z-coef", type=float, default=0.0, help="weight of the router z-loss (default 0: reported only)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model dtype (default float32)")
+    p.add_argument("--logprobs-out", help="write per-trajectory log-probabilities (.npz keyed by str(id))")
+    p.add_argument("--grads-out", help="write parameter gradients (.safetensors keyed by parameter name)")
+    p.add_argument("--forward-only", action="store_true", help="skip the backward pass (no --grads-out)")
+    p.add_argument("--json", action="store_true", help="print the run summary as one JSON object on stdout")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from harts.executor.runtime import run_step
+
+    mode = "nodewise" if args.no_replay else args.mode
+    if args.no_replay and args.mode == "expanded":
+        print("harts run: --no-replay has no meaning with --mode expanded (nothing is handed over); "
+              "fix: drop one of them", file=sys.stderr)
+        return 2
+    if args.forward_only and args.grads_out:
+        print("harts run: --grads-out needs the backward pass; fix: drop --forward-only", file=sys.stderr)
+        return 2
+    loss = LossConfig(kind=args.loss, clip_low=args.clip_low, clip_high=args.clip_high, kl_coef=args.kl_coef,
+                      moe_aux_coef=args.moe_aux_coef, moe_z_coef=args.moe_z_coef)
+    try:
+        plan = read_plan(args.plan)
+        model = load_model(args.model, args.dtype)
+        result = run_step(plan, model, mode=mode, loss=loss, backward=not args.forward_only)
+        if args.logprobs_out:
+            write_logprobs(args.logprobs_out, result.logprobs)
+        if args.grads_out:
+            write_grads(args.grads_out, result.grads)
+    except HartsError as err:
+        print(f"harts run: {err}", file=sys.stderr)
+        return err.exit_code
+    except ValueError as err:   # objective misuse, e.g. ppo without old_logprobs
+        print(f"harts run: {err}", file=sys.stderr)
+        return 2
+    original = int(plan.step["original_tokens"])
+    summary = {"mode": mode, "loss": result.loss, "moe_aux_loss": result.moe_aux_loss, "moe_z_loss": result.moe_z_loss,
+               "original_tokens": original, "decoder_rows": result.rows, "seconds": result.seconds,
+               "tokens_per_second": original / result.seconds if result.seconds else 0.0}
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+    print(f"harts run: {mode}: loss {result.loss:.6f}, {original} tokens through {result.rows} decoder rows in "
+          f"{result.seconds:.2f}s ({summary['tokens_per_second']:.0f} tokens/s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Executor-side views of one plan microbatch: the rows to run and every index into them.
+
+Legend: R rows run through the decoder, N packed tokens of one round, S
+sequences of a round, E exported states, P semantic positions with a label
+(trajectory positions i >= 1), k member trajectories.
+
+Three modes read the same plan record; none walks a tree:
+
+* `compact`: the plan's compact rows and its minimum-call rounds with replay;
+* `nodewise`: the same rows, one linear-attention sequence per segment,
+  rounds by segment level, the exact parent state handed over at each fork
+  (no replay: the paper's node-wise ablation, also `--no-replay`);
+* `expanded`: every trajectory gets its own rows (gathered from the compact
+  rows by its path), one sequence each, nothing shared: the baseline.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from harts.executor.ops.ancestor_attention import AttentionViews
+
+MODES = ("compact", "nodewise", "expanded")
+
+
+def _array(x, dtype=np.int64) -> np.ndarray:
+    return np.array(x, dtype=dtype, copy=True)   # plan arrays are read-only buffers
+
+
+def _long(x) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
+
+
+def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenate arange(s, s + n) over runs, vectorised."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.sum() == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(np.asarray(starts, dtype=np.int64), lengths) + (np.arange(int(lengths.sum())) - offsets)
+
+
+@dataclass(frozen=True, eq=False)
+class RoundCall:
+    """One packed linear-attention call."""
+
+    token_rows: torch.Tensor    # [N] rows gathered into the call: each sequence's replay rows, then its outputs
+    cu_seqlens: torch.Tensor    # [S + 1]
+    output_tokens: torch.Tensor  # packed indices of the output tokens, in the order their rows are listed
+    start_state: torch.Tensor   # [S] global export index, -1 for the zero state
+    export_sequence: torch.Tensor  # [E_r] sequence within this call
+    export_chunk: torch.Tensor  # [E_r] whole chunks before the export
+    export_ids: torch.Tensor    # [E_r] global export index of each
+
+
+@dataclass(frozen=True, eq=False)
+class LinearCalls:
+    """All rounds of one microbatch; concatenating their outputs and applying
+    `output_order` (None: identity) yields one output per row in row order."""
+
+    rounds: list
+    num_exports: int
+    output_order: torch.Tensor | None
+
+
+@dataclass(frozen=True, eq=False)
+class ExecLayout:
+    mode: str
+    row_token: torch.Tensor       # [R]
+    row_position: torch.Tensor    # [R]
+    row_parent: np.ndarray        # [R], -1 at position 0
+    row_weight: torch.Tensor      # [R] occurrence count (multiplicity) of each row, float
+    calls: LinearCalls
+    views: AttentionViews
+    position_row: torch.Tensor    # [P] row whose logits predict the position (its previous position's row)
+    position_label: torch.Tensor  # [P] the position's token
+    position_flat: np.ndarray     # [P] index into the step's flat per-token arrays
+    member_trajectory: np.ndarray  # [k] trajectory (file index) of each member
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_token.shape[0])
+
+
+def _calls(sequences: list[tuple[np.ndarray, int]], sequence_round: np.ndarray, start_state: np.ndarray,
+           export_sequence: np.ndarray, export_chunk: np.ndarray, output_rows_in_order: bool,
+           output_rows: list[np.ndarray]) -> LinearCalls:
+    """Group sequences (token rows, number of replay tokens) by round into packed calls."""
+    rounds = []
+    order = np.argsort(sequence_round, kind="stable")
+    sequence_round = sequence_round[order]
+    bounds = np.flatnonzero(np.diff(sequence_round)) + 1
+    local_index = np.empty(len(order), dtype=np.int64)
+    for group in np.split(order, bounds):
+        local_index[group] = np.arange(len(group))
+    listed_rows = []
+    for group in np.split(order, bounds):
+        tokens = [sequences[q][0] for q in group]
+        lengths = np.array([len(t) for t in tokens], dtype=np.int64)
+        cu = np.zeros(len(group) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=cu[1:])
+        replay = np.array([sequences[q][1] for q in group], dtype=np.int64)
+        outputs = expand_runs(cu[:-1] + replay, lengths - replay)
+        exports = np.flatnonzero(np.isin(export_sequence, group))
+        rounds.append(RoundCall(
+            token_rows=_long(np.concatenate(tokens)),
+            cu_seqlens=_long(cu),
+            output_tokens=_long(outputs),
+            start_state=_long(start_state[group]),
+            export_sequence=_long(local_index[export_sequence[exports]]),
+            export_chunk=_long(export_chunk[exports]),
+            export_ids=_long(exports),
+        ))
+        listed_rows += [output_rows[q] for q in group]
+    output_order = None
+    if not output_rows_in_order:
+        listed = np.concatenate(listed_rows)
+        output_order = _long(np.argsort(listed, kind="stable"))
+    return LinearCalls(rounds=rounds, num_exports=len(export_sequence), output_order=output_order)
+
+
+def _positions(path_rows: np.ndarray, lengths: np.ndarray, row_token: np.ndarray, trajectories: np.ndarray,
+               token_offsets: np.ndarray):
+    """Labelled positions of every member: previous position's row, own token, flat index."""
+    starts = np.cumsum(lengths) - lengths
+    keep_label = np.ones(len(path_rows), dtype=bool)
+    keep_label[starts] = False                 # position 0 is never a target
+    keep_row = np.ones(len(path_rows), dtype=bool)
+    keep_row[starts + lengths - 1] = False     # the last position predicts nothing
+    index_in_traj = np.arange(len(path_rows)) - np.repeat(starts, lengths)
+    flat = np.repeat(token_offsets[trajectories], lengths) + index_in_traj
+    return (_long(path_rows[keep_row]), _long(row_token[path_rows[keep_label]]), flat[keep_label])
+
+
+def build_layout(mb: dict, token_offsets: np.ndarray, chunk_size: int, mode: str = "compact") -> ExecLayout:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    token_offsets = np.asarray(token_offsets, dtype=np.int64)
+    trajectories = _array(mb["member_trajectory"])
+    lengths = token_offsets[trajectories + 1] - token_offsets[trajectories]
+    run_offsets = _array(mb["member_run_offsets"])
+    run_start, run_length = _array(mb["run_row_start"]), _array(mb["run_length"])
+    compact_token = _array(mb["row_token"])
+    path_rows = expand_runs(run_start, run_length)   # every member's rows, member after member
+
+    if mode == "expanded":
+        num_rows = int(lengths.sum())
+        starts = np.cumsum(lengths) - lengths
+        rows = np.arange(num_rows)
+        row_token = compact_token[path_rows]
+        row_position = rows - np.repeat(starts, lengths)
+        row_parent = np.where(row_position == 0, -1, rows - 1)
+        row_weight = np.ones(num_rows)
+        sequences = [(np.arange(s, s + n), 0) for s, n in zip(starts.tolist(), lengths.tolist())]
+        calls = _calls(sequences, np.ones(len(sequences), dtype=np.int64), np.full(len(sequences), -1),
+                       np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), True,
+                       [s for s, _ in sequences])
+        views = AttentionViews.from_plan(row_parent=row_parent, row_position=row_position,
+                                         member_own_start=np.zeros(len(lengths), dtype=np.int64),
+                                         member_run_offsets=np.arange(len(lengths) + 1), run_row_start=starts,
+                                         run_length=lengths)
+        positions = _positions(rows, lengths, row_token, trajectories, token_offsets)
+    else:
+        row_token = compact_token
+        row_position = _array(mb["row_position"])
+        row_parent = _array(mb["row_parent"])
+        row_weight = _array(mb["row_multiplicity"], np.float64)
+        if mode == "compact":
+            calls = _compact_calls(mb)
+        else:
+            calls = _nodewise_calls(mb, chunk_size)
+        views = AttentionViews.from_plan(row_parent=row_parent, row_position=row_position,
+                                         member_own_start=mb["member_own_start"], member_run_offsets=run_offsets,
+                                         run_row_start=run_start, run_length=run_length)
+        positions = _positions(path_rows, lengths, row_token, trajectories, token_offsets)
+    return ExecLayout(mode=mode, row_token=_long(row_token), row_position=_long(row_position), row_parent=row_parent,
+                      row_weight=torch.from_numpy(np.asarray(row_weight, dtype=np.float64)), calls=calls, views=views,
+                      position_row=positions[0], position_label=positions[1], position_flat=positions[2],
+                      member_trajectory=trajectories)
+
+
+def _compact_calls(mb: dict) -> LinearCalls:
+    start, count = _array(mb["sequence_row_start"]), _array(mb["sequence_num_rows"])
+    replay_offsets, replay_rows = _array(mb["sequence_replay_offsets"]), _array(mb["replay_rows"])
+    sequences = []
+    outputs = []
+    for q in range(len(start)):
+        own = np.arange(start[q], start[q] + count[q])
+        replay = replay_rows[replay_offsets[q]:replay_offsets[q + 1]]
+        sequences.append((np.concatenate([replay, own]), len(replay)))
+        outputs.append(own)
+    # Memory order is round-major with each sequence contiguous, so the outputs
+    # of the rounds, concatenated, are already in row order.
+    return _calls(sequences, _array(mb["sequence_round"]), _array(mb["sequence_start_state"]),
+                  _array(mb["export_sequence"]), _array(mb["export_chunk"]), True, outputs)
+
+
+def _nodewise_calls(mb: dict, chunk_size: int) -> LinearCalls:
+    """One sequence per segment; a child starts from its parent segment's final state."""
+    seg_start = _array(mb["segment_row_start"])
+    parent = _array(mb["segment_parent"])
+    level = _array(mb["segment_level"])
+    seg_len = np.diff(seg_start)
+    has_children = np.zeros(len(parent), dtype=bool)
+    has_children[parent[parent >= 0]] = True
+    exporter = np.flatnonzero(has_children)            # export e is the final state of segment exporter[e]
+    export_of_segment = np.full(len(parent), -1, dtype=np.int64)
+    export_of_segment[exporter] = np.arange(len(exporter))
+    start_state = np.where(parent >= 0, export_of_segment[np.maximum(parent, 0)], -1)
+    sequences = [(np.arange(seg_start[v], seg_start[v + 1]), 0) for v in range(len(parent))]
+    export_chunk = -(-seg_len[exporter] // chunk_size)   # ceil: the final (possibly partial) chunk
+    return _calls(sequences, level + 1, start_state, exporter, export_chunk, False, [s for s, _ in sequences])

@@ -1,0 +1,301 @@
+"""One packed chunkwise gated-delta-rule call: one execution round.
+
+Shapes (legend; tensor names carry these suffixes):
+    N   packed tokens of the round            S   sequences, cu_seqlens has S + 1 entries
+    H   value heads (heads of v, g, beta)     HK  query/key heads, H % HK == 0
+    K   key dim                               V   value dim
+    E   exported states                       B   chunk_size, tokens per chunk
+    M   chunk slots of the round (sum over sequences of ceil(len / B))
+    J   sub-chunks per chunk                  L   sub-chunk length, B == J * L
+
+    q: [N, HK, K]    k: [N, HK, K]    v: [N, H, V]
+    g: [N, H, K] (per-channel log-decay, KDA) or [N, H] (scalar, Gated DeltaNet)
+    beta: [N, H]     cu_seqlens: int [S + 1]    initial_state: [S, H, K, V] or None
+    export_seq, export_chunk: int [E]
+    -> o: [N, H, V] (dtype of q),  exported_states: [E, H, K, V] (compute dtype)
+
+The function (per value head; `naive.py` is the executable specification):
+
+    q_t <- l2norm(q_t) * scale,  k_t <- l2norm(k_t)      (l2norm only if use_qk_l2norm_in_kernel)
+    S'_t = diag(exp(g_t)) S_{t-1}                       (scalar gate: exp(g_t) S_{t-1})
+    S_t  = S'_t + k_t (beta_t (v_t - S'_t^T k_t))^T
+    o_t  = S_t^T q_t
+
+This is the core of transformers' `chunk_kimi_delta_attention` (KDA,
+models/kimi_linear) and `torch_chunk_gated_delta_rule` (Qwen3-Next), called
+with the same tensors (tests/test_op_linear_attention.py checks both), and, by
+our reading of its source, of fla's chunk_kda / chunk_gated_delta_rule (not run
+here: fla needs CUDA). Conventions:
+* scale: None means K ** -0.5, the only value the fallbacks use; it multiplies
+  q after the l2 norm.
+* use_qk_l2norm_in_kernel: l2norm(x) = x / sqrt(sum(x^2) + 1e-6) over K, in the
+  compute dtype, before the scale; both models call their core with True.
+* g is the log-decay (<= 0; e.g. -exp(A_log) * softplus(...)), not the decay.
+  Not checked (it would cost a device sync); a positive g may overflow exp.
+* beta multiplies the prediction error (delta = beta (v - S'^T k)); it is
+  applied as written, with no sigmoid.
+* Grouped heads: HK < H repeats q and k per group (value head h reads
+  query/key head h // (H // HK)), as Qwen3-Next's fallback does.
+* Dtypes: q's dtype decides. float64 computes in float64; float32, bfloat16
+  and float16 compute in float32 (as the fallbacks and fla do); every other
+  input, initial_state included, is cast to the compute dtype. o is returned
+  in q's dtype, the exported states in the compute dtype (float32 for bf16:
+  states are where error accumulates).
+* The fallbacks pad one sequence at its end to a multiple of their chunk_size
+  (default 64); here every sequence is padded to whole chunks of its own grid.
+  Zero padding (k = v = q = beta = g = 0) changes no real output or state.
+
+Exports. export_chunk = c asks for the state after the first c chunks of
+sequence export_seq, i.e. after min(c * B, len) of its tokens; c runs from 1 to
+ceil(len / B), so the final state of a sequence whose last chunk is partial is
+its last export. Exports are differentiable: an exported state fed to a later
+call as initial_state carries gradients back into this call.
+
+Algorithm (WY / UT form, as in fla and transformers' fallback). Every sequence
+runs on its own chunk grid from its first token. Within a chunk with start
+state S0 and cumulative log-decay G_t = g_1 + ... + g_t:
+
+    A_kk[t, s] = beta_t sum_c k_t[c] k_s[c] exp(G_t[c] - G_s[c])   (s < t)
+    A_qk[t, s] =        sum_c q_t[c] k_s[c] exp(G_t[c] - G_s[c])   (s <= t)
+    (I + A_kk) [U | W] = [beta v | beta k exp(G)]                    (unit lower triangular solve)
+    V_new = U - W S0
+    O     = (q exp(G)) S0 + A_qk V_new
+    S_B   = diag(exp(G_B)) S0 + (k exp(G_B - G))^T V_new
+
+1. Chunk-local work (everything but S0) for all M chunks of the round at once.
+   The per-channel pairwise decay exp(G_t - G_s) is never built as [B, B, K]:
+   for s in an earlier sub-chunk than t it factors through the first token r
+   of t's sub-chunk, exp(G_t - G_r) * exp(G_r - G_s), both factors <= 1 since
+   G is non-increasing (no overflow, unlike exp(G_t) * exp(-G_s)); only the
+   diagonal [L, L, K] sub-chunk blocks are built pairwise. Memory per chunk
+   and head: (J + L) * B * K instead of B * B * K (B = 64: 16 * B * K, 4x less).
+2. The chunk recurrence S0 -> S_B is a loop over chunk index c, batched over
+   the sequences that still have a chunk c. Chunks are laid out step-major
+   (all first chunks, then all second chunks, ...), sequences sorted by chunk
+   count, so step c reads one contiguous slice and the active states are a
+   prefix of the state batch.
+3. O for all chunks at once from the chunk start states.
+
+Every op in 1 and 3 acts on one chunk at a time, and the loop in 2 on one
+sequence at a time, so a sequence's result does not depend on what else is in
+the round, bitwise, wherever the kernels are batch-invariant: then a packed
+round reproduces separate runs, and a replayed continuation on the same chunk
+grid reproduces the one-call run, exactly. torch's CPU kernels are, given
+contiguous chunk tensors (the tests check it); on GPU, cuBLAS may pick another
+kernel for another batch size, so there it is to be measured, not assumed.
+
+cu_seqlens and the export indices are read on the host (one sync each).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .inputs import RoundHost, check_round, prepare_inputs
+
+
+def chunk_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    export_seq: torch.Tensor,
+    export_chunk: torch.Tensor,
+    chunk_size: int = 64,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run one round of packed sequences through the gated delta rule, chunkwise.
+
+    Args:
+        q, k: [N, HK, K] queries and keys of all sequences of the round, packed.
+        v: [N, H, V] values.
+        g: [N, H, K] per-channel (KDA) or [N, H] scalar (Gated DeltaNet) log-decay.
+        beta: [N, H] delta-rule step size (already through its sigmoid).
+        cu_seqlens: int [S + 1] sequence boundaries; each sequence starts at an
+            anchor, i.e. its chunk grid is the grid of its trajectory.
+        initial_state: [S, H, K, V] start state per sequence (zeros for sequences
+            starting at position 0); None means all zeros.
+        export_seq, export_chunk: int [E]; export e is the state of sequence
+            export_seq[e] after export_chunk[e] chunks (1 <= export_chunk <=
+            ceil(len / chunk_size); the last is the final state).
+        chunk_size: tokens per chunk, B.
+        scale: multiplies q; None means K ** -0.5.
+        use_qk_l2norm_in_kernel: l2-normalise q and k first (both models do).
+
+    Returns:
+        o: [N, H, V] in q's dtype; exported_states: [E, H, K, V] in the compute
+        dtype (float64 for float64 inputs, float32 otherwise).
+    """
+    host = check_round(q, k, v, g, beta, cu_seqlens, initial_state, export_seq, export_chunk, chunk_size, scale)
+    num_seqs = len(host.seq_starts) - 1
+    q_NHK, k_NHK, v_NHV, g, beta_NH, state0_SHKV = prepare_inputs(
+        q, k, v, g, beta, initial_state, num_seqs, scale, use_qk_l2norm_in_kernel
+    )
+    num_heads, key_dim, value_dim = v.shape[1], q.shape[2], v.shape[2]
+    layout = _RoundLayout(host, chunk_size, q.device)
+    if layout.num_slots == 0:  # every sequence is empty
+        return v_NHV.new_zeros(0, num_heads, value_dim).to(q.dtype), state0_SHKV.new_zeros(0, *state0_SHKV.shape[1:])
+
+    # 1. Chunk-local work for all chunks of the round.
+    q_MHBK, k_MHBK, v_MHBV = (layout.to_chunks(x) for x in (q_NHK, k_NHK, v_NHV))
+    beta_MHB = layout.to_chunks(beta_NH)
+    gate_MHB_ = layout.to_chunks(g)  # [M, H, B, K] or [M, H, B]
+    cum_MHB_ = gate_MHB_.cumsum(dim=2)
+    if not host.gate_per_channel:
+        cum_MHB_ = cum_MHB_[..., None]  # broadcast the scalar gate over K: [M, H, B, 1]
+    kbeta_MHBK = k_MHBK * beta_MHB[..., None]
+    vbeta_MHBV = v_MHBV * beta_MHB[..., None]
+    if host.gate_per_channel:
+        aqk_MHBB, akk_MHBB = _intra_chunk_per_channel(q_MHBK, k_MHBK, kbeta_MHBK, cum_MHB_, chunk_size)
+    else:
+        aqk_MHBB, akk_MHBB = _intra_chunk_scalar(q_MHBK, k_MHBK, kbeta_MHBK, cum_MHB_[..., 0], chunk_size)
+    decay_from_start = cum_MHB_.exp()
+    rhs = torch.cat([vbeta_MHBV, kbeta_MHBK * decay_from_start], dim=-1)
+    solved = torch.linalg.solve_triangular(akk_MHBB, rhs, upper=False, unitriangular=True)
+    u_MHBV, w_MHBK = solved[..., :value_dim].contiguous(), solved[..., value_dim:].contiguous()
+    qdecay_MHBK = q_MHBK * decay_from_start
+    cum_last_MH1_ = cum_MHB_[:, :, -1:]
+    kdecay_MHBK = k_MHBK * (cum_last_MH1_ - cum_MHB_).exp()  # decay from token to chunk end
+    chunk_decay_MHK1 = cum_last_MH1_.transpose(-1, -2).exp()  # [M, H, K, 1] or [M, H, 1, 1]
+
+    # 2. The chunk recurrence, batched over the sequences that have chunk c.
+    # Split once rather than slice per step: the backward of each slice would
+    # allocate a full-size gradient, quadratic in the number of chunks.
+    per_step = [x.split(layout.step_count) for x in (u_MHBV, w_MHBK, kdecay_MHBK, chunk_decay_MHK1)]
+    state_SHKV = state0_SHKV.index_select(0, layout.order)  # sorted by chunk count, longest first
+    start_states, new_values, export_pieces = [], [], []
+    for c, (u_step, w_step, kdecay_step, chunk_decay_step) in enumerate(zip(*per_step)):
+        state_SHKV = state_SHKV[: u_step.shape[0]]  # sequences without a chunk c have finished
+        start_states.append(state_SHKV)
+        v_new_step = u_step - w_step @ state_SHKV
+        new_values.append(v_new_step)
+        state_SHKV = state_SHKV * chunk_decay_step + kdecay_step.transpose(-1, -2) @ v_new_step
+        if c + 1 in layout.export_ranks:
+            export_pieces.append(state_SHKV.index_select(0, layout.export_ranks[c + 1]))
+
+    # 3. Outputs of all chunks from their start states.
+    o_MHBV = qdecay_MHBK @ torch.cat(start_states) + aqk_MHBB @ torch.cat(new_values)
+    o_NHV = layout.from_chunks(o_MHBV)
+    if export_pieces:
+        exported_EHKV = torch.cat(export_pieces).index_select(0, layout.export_inverse)
+    else:
+        exported_EHKV = state0_SHKV.new_zeros(0, num_heads, key_dim, value_dim)
+    return o_NHV.to(q.dtype), exported_EHKV
+
+
+class _RoundLayout:
+    """Where each token sits in the padded, step-major chunk layout (host-built index arrays).
+
+    Slot m of the layout holds one chunk; slots of step c (the c-th chunk of
+    every sequence that has one) are contiguous, sequences in `order`.
+    """
+
+    def __init__(self, host: RoundHost, chunk_size: int, device: torch.device):
+        num_seqs = len(host.seq_starts) - 1
+        num_chunks = torch.tensor(host.num_chunks, dtype=torch.int64)
+        # Stable sort, longest first: the sequences active at step c are a prefix.
+        order = torch.argsort(-num_chunks, stable=True)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(num_seqs)
+        max_chunks = int(num_chunks.max()) if num_seqs else 0
+        step_count = (num_chunks[None, :] > torch.arange(max_chunks)[:, None]).sum(dim=1)
+        step_start = torch.cumsum(step_count, 0) - step_count
+        self.num_slots = int(step_count.sum())
+        self.chunk_size = chunk_size
+        self.step_count = step_count.tolist()
+        self.order = order.to(device)
+
+        starts = torch.tensor(host.seq_starts, dtype=torch.int64)
+        lengths = starts[1:] - starts[:-1]
+        num_tokens = int(starts[-1])
+        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), lengths)
+        local = torch.arange(num_tokens) - starts[seq_of_token]
+        slot = step_start[local // chunk_size] + rank[seq_of_token]
+        token_to_flat = slot * chunk_size + local % chunk_size
+        flat_to_token = torch.full((self.num_slots * chunk_size,), num_tokens, dtype=torch.int64)
+        flat_to_token[token_to_flat] = torch.arange(num_tokens)
+        self.token_to_flat = token_to_flat.to(device)
+        self.flat_to_token = flat_to_token.to(device)
+
+        # Exports grouped by the step after which they are taken.
+        export_ranks: dict[int, list[int]] = {}
+        taken: dict[int, list[int]] = {}
+        for e, (s, c) in enumerate(zip(host.export_seq, host.export_chunk)):
+            export_ranks.setdefault(c, []).append(int(rank[s]))
+            taken.setdefault(c, []).append(e)
+        position = [e for c in sorted(taken) for e in taken[c]]  # order the pieces come out in
+        inverse = torch.empty(len(position), dtype=torch.int64)
+        inverse[torch.tensor(position, dtype=torch.int64)] = torch.arange(len(position))
+        self.export_ranks = {c: torch.tensor(r, dtype=torch.int64, device=device) for c, r in export_ranks.items()}
+        self.export_inverse = inverse.to(device)
+
+    def to_chunks(self, x_N_: torch.Tensor) -> torch.Tensor:
+        """[N, H, ...] -> [M, H, B, ...], padding rows zero."""
+        padded = torch.cat([x_N_, x_N_.new_zeros(1, *x_N_.shape[1:])])
+        x_MB_ = padded.index_select(0, self.flat_to_token)
+        # Contiguous on purpose: torch's CPU matmul takes another BLAS path for a
+        # strided batch of one than for several, which would break bitwise
+        # independence of a chunk's result from the rest of the round.
+        return x_MB_.view(self.num_slots, self.chunk_size, *x_N_.shape[1:]).transpose(1, 2).contiguous()
+
+    def from_chunks(self, x_MHB_: torch.Tensor) -> torch.Tensor:
+        """[M, H, B, ...] -> [N, H, ...], dropping padding rows."""
+        x_MB_ = x_MHB_.transpose(1, 2).flatten(0, 1)
+        return x_MB_.index_select(0, self.token_to_flat)
+
+
+def subchunk_size(chunk_size: int) -> int:
+    """Largest divisor L of B with L * L <= B: balances the J * B * K and L * B * K terms."""
+    return max(d for d in range(1, math.isqrt(chunk_size) + 1) if chunk_size % d == 0)
+
+
+def _intra_chunk_scalar(q_MHBK, k_MHBK, kbeta_MHBK, cum_MHB, chunk_size):
+    """A_qk (s <= t) and A_kk (s < t) for a scalar gate: the [B, B] decay is cheap."""
+    later = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q_MHBK.device).triu(1)
+    decay_MHBB = (cum_MHB[..., :, None] - cum_MHB[..., None, :]).masked_fill(later, float("-inf")).exp()
+    aqk_MHBB = (q_MHBK @ k_MHBK.transpose(-1, -2)) * decay_MHBB
+    akk_MHBB = ((kbeta_MHBK @ k_MHBK.transpose(-1, -2)) * decay_MHBB).tril(-1)
+    return aqk_MHBB, akk_MHBB
+
+
+def _intra_chunk_per_channel(q_MHBK, k_MHBK, kbeta_MHBK, cum_MHBK, chunk_size):
+    """A_qk (s <= t) and A_kk (s < t) for a per-channel gate, without a [B, B, K] tensor."""
+    num_slots, num_heads, _, key_dim = q_MHBK.shape
+    sub = subchunk_size(chunk_size)
+    num_sub = chunk_size // sub
+    device = q_MHBK.device
+    blocked = (num_slots, num_heads, num_sub, sub, key_dim)
+    q_MHJLK, k_MHJLK, kbeta_MHJLK, cum_MHJLK = (x.reshape(blocked) for x in (q_MHBK, k_MHBK, kbeta_MHBK, cum_MHBK))
+
+    # Earlier sub-chunks: factor exp(G_t - G_s) at r, the first token of t's sub-chunk.
+    ref_MHJ1K = cum_MHJLK[:, :, :, :1]
+    to_ref_MHJLK = (cum_MHJLK - ref_MHJ1K).exp()
+    from_ref_MHJBK = ref_MHJ1K - cum_MHBK[:, :, None]  # G_r - G_s for every s of the chunk
+    sub_start_J = torch.arange(num_sub, device=device) * sub
+    earlier_JB = torch.arange(chunk_size, device=device)[None, :] < sub_start_J[:, None]
+    # Masking before exp keeps G_r - G_s > 0 (s at or after r) from overflowing.
+    from_ref_MHJBK = from_ref_MHJBK.masked_fill(~earlier_JB[..., None], float("-inf")).exp()
+    kcol_MHJKB = (k_MHBK[:, :, None] * from_ref_MHJBK).transpose(-1, -2)
+    aqk_MHJLB = (q_MHJLK * to_ref_MHJLK) @ kcol_MHJKB
+    akk_MHJLB = (kbeta_MHJLK * to_ref_MHJLK) @ kcol_MHJKB
+
+    # Same sub-chunk: pairwise, [L, L, K] per sub-chunk.
+    later_LL = torch.ones(sub, sub, dtype=torch.bool, device=device).triu(1)
+    pair_MHJLLK = cum_MHJLK[..., :, None, :] - cum_MHJLK[..., None, :, :]
+    pair_MHJLLK = pair_MHJLLK.masked_fill(later_LL[..., None], float("-inf")).exp()
+    kpair_MHJLLK = k_MHJLK[..., None, :, :] * pair_MHJLLK
+    aqk_MHJLL = (q_MHJLK[..., :, None, :] * kpair_MHJLLK).sum(-1)
+    akk_MHJLL = (kbeta_MHJLK[..., :, None, :] * kpair_MHJLLK).sum(-1)
+
+    # Put the diagonal blocks in place (the factored part is exactly zero there).
+    eye_J1J1 = torch.eye(num_sub, dtype=q_MHBK.dtype, device=device)[:, None, :, None]
+    square = (num_slots, num_heads, chunk_size, chunk_size)
+    aqk_MHBB = aqk_MHJLB.reshape(square) + (aqk_MHJLL[..., None, :] * eye_J1J1).reshape(square)
+    akk_MHBB = (akk_MHJLB.reshape(square) + (akk_MHJLL[..., None, :] * eye_J1J1).reshape(square)).tril(-1)
+    return aqk_MHBB, akk_MHBB

@@ -1,0 +1,98 @@
+"""Compact log-probability recovery: the LM head on compact rows, in blocks.
+
+Legend: C compact rows, D hidden size, V vocabulary, P semantic positions,
+R rows of one block.
+
+Each semantic position p (a trajectory position i >= 1) reads the logits of
+the row of its previous position, `position_row[p]`, at its own label,
+`position_label[p]`:
+
+    lambda_p = z[row_p, label_p] - logsumexp(z[row_p, :]),   z = hidden @ weight.T
+
+Several positions may share a row with different labels (branches that
+diverge right after it); each keeps its own log-probability and its own
+gradient. Forward and backward are O(C V + P) work and never hold more than an
+[R, V] block of logits: backward recomputes each block's logits from the saved
+hidden rows and log-sum-exps,
+
+    dL/dz[r] = sum_{p: row_p = r} g_p * (onehot(label_p) - softmax(z[r])),
+
+so no [C, V] or [P, V] tensor is ever saved.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _block_starts(num_rows: int, block_rows: int) -> range:
+    return range(0, num_rows, block_rows)
+
+
+class _CompactLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_CD, weight_VD, position_row_P, position_label_P, block_rows: int):
+        compute = torch.promote_types(hidden_CD.dtype, torch.float32)
+        weight_c = weight_VD.to(compute)
+        C = hidden_CD.shape[0]
+        lse_C = torch.empty(C, dtype=compute, device=hidden_CD.device)
+        # Sort positions by row once so each block reads a contiguous slice.
+        order_P = torch.argsort(position_row_P, stable=True)
+        rows_sorted_P = position_row_P[order_P]
+        bounds = torch.searchsorted(rows_sorted_P, torch.arange(0, C + block_rows, block_rows, device=hidden_CD.device))
+        target_P = torch.empty(position_row_P.shape[0], dtype=compute, device=hidden_CD.device)
+        for b, start in enumerate(_block_starts(C, block_rows)):
+            stop = min(start + block_rows, C)
+            logits_RV = hidden_CD[start:stop].to(compute) @ weight_c.T
+            lse_C[start:stop] = torch.logsumexp(logits_RV, dim=-1)
+            lo, hi = int(bounds[b]), int(bounds[b + 1])
+            picked = order_P[lo:hi]
+            target_P[picked] = logits_RV[position_row_P[picked] - start, position_label_P[picked]]
+        ctx.save_for_backward(hidden_CD, weight_VD, position_row_P, position_label_P, lse_C, order_P, bounds)
+        ctx.block_rows = block_rows
+        return target_P - lse_C[position_row_P]
+
+    @staticmethod
+    def backward(ctx, grad_P):
+        hidden_CD, weight_VD, position_row_P, position_label_P, lse_C, order_P, bounds = ctx.saved_tensors
+        block_rows = ctx.block_rows
+        compute = lse_C.dtype
+        weight_c = weight_VD.to(compute)
+        grad_P = grad_P.to(compute)
+        C = hidden_CD.shape[0]
+        # Sum of incoming gradients per row: the weight of that row's softmax term.
+        row_grad_C = torch.zeros(C, dtype=compute, device=hidden_CD.device).index_add_(0, position_row_P, grad_P)
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden_CD, dtype=compute) if need_hidden else None
+        grad_weight = torch.zeros_like(weight_c) if need_weight else None
+        for b, start in enumerate(_block_starts(C, block_rows)):
+            stop = min(start + block_rows, C)
+            hidden_RD = hidden_CD[start:stop].to(compute)
+            logits_RV = hidden_RD @ weight_c.T
+            grad_logits_RV = -torch.exp(logits_RV - lse_C[start:stop, None]) * row_grad_C[start:stop, None]
+            lo, hi = int(bounds[b]), int(bounds[b + 1])
+            picked = order_P[lo:hi]
+            grad_logits_RV.index_put_((position_row_P[picked] - start, position_label_P[picked]), grad_P[picked],
+                                      accumulate=True)
+            if need_hidden:
+                grad_hidden[start:stop] = grad_logits_RV @ weight_c
+            if need_weight:
+                grad_weight += grad_logits_RV.T @ hidden_RD
+        return (grad_hidden.to(hidden_CD.dtype) if need_hidden else None,
+                grad_weight.to(weight_VD.dtype) if need_weight else None, None, None, None)
+
+
+def position_logprobs(hidden_CD: torch.Tensor, weight_VD: torch.Tensor, position_row_P: torch.Tensor,
+                      position_label_P: torch.Tensor, *, block_rows: int = 1024) -> torch.Tensor:
+    """Log-probability of every semantic position, [P], in the compute dtype (float32 for bf16).
+
+    hidden_CD: final hidden states of the compact rows (after the last norm);
+    weight_VD: the LM head's weight; position_row_P / position_label_P: int64.
+    """
+    if hidden_CD.dim() != 2 or weight_VD.dim() != 2 or hidden_CD.shape[1] != weight_VD.shape[1]:
+        raise ValueError(f"hidden must be [C, D] and weight [V, D], got {tuple(hidden_CD.shape)} and {tuple(weight_VD.shape)}")
+    if position_row_P.shape != position_label_P.shape or position_row_P.dim() != 1:
+        raise ValueError(f"position rows and labels must be equal-length vectors, got {tuple(position_row_P.shape)} "
+                         f"and {tuple(position_label_P.shape)}")
+    if block_rows < 1:
+        raise ValueError(f"block_rows must be >= 1, got {block_rows}")
+    return _CompactLogprobs.apply(hidden_CD, weight_VD, position_row_P.long(), position_label_P.long(), block_rows)

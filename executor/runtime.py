@@ -1,0 +1,115 @@
+"""Run a plan's step on a loaded model: per-position log-probabilities, the loss, gradients.
+
+The runtime reads the plan's arrays, builds each microbatch's `ExecLayout`,
+runs the model runner over it, recovers every semantic position's
+log-probability and accumulates gradients microbatch by microbatch. Loss
+reductions use step-level denominators taken from the plan, so the result
+equals one backward over the whole step. It contains no tree logic.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from harts.executor.layout import MODES, build_layout
+from harts.executor.losses import LossConfig, PositionMeta, policy_loss
+from harts.executor.models.kimi_linear import KimiLinearRunner, MoEStatistics
+from harts.executor.ops.logprobs import position_logprobs
+from harts.schema.errors import HartsError
+from harts.schema.plan import Plan
+
+
+@dataclass
+class StepResult:
+    logprobs: dict                     # str(id) -> float32[n], NaN at index 0
+    loss: float
+    grads: dict                        # parameter name -> tensor (empty without backward)
+    moe_load: dict                     # layer -> float64[E] occurrence-weighted expert loads
+    moe_aux_loss: float
+    moe_z_loss: float
+    seconds: float
+    rows: int                          # decoder rows run (over all microbatches)
+    microbatch_seconds: list = field(default_factory=list)
+
+
+def step_denominator(plan: Plan) -> float:
+    """Positions i >= 1 with loss_mask 1 over the whole step (the token-mean denominator)."""
+    mask = np.asarray(plan.step["loss_mask"])
+    offsets = np.asarray(plan.step["token_offsets"])
+    total = int(mask.sum()) - int(mask[offsets[:-1]].sum())
+    return float(max(total, 1))
+
+
+def _meta(plan: Plan, flat: np.ndarray) -> PositionMeta:
+    step = plan.step
+
+    def take(key):
+        values = step.get(key)
+        return None if values is None else torch.from_numpy(np.asarray(values, dtype=np.float64)[flat])
+
+    return PositionMeta(mask=torch.from_numpy(np.asarray(step["loss_mask"], dtype=np.float64)[flat]),
+                        advantages=take("advantages"), old_logprobs=take("old_logprobs"),
+                        ref_logprobs=take("ref_logprobs"))
+
+
+def check_model_fits(plan: Plan, model) -> None:
+    vocab = int(model.config.vocab_size)
+    largest = max((int(np.max(mb["row_token"])) for mb in plan.microbatches if len(mb["row_token"])), default=-1)
+    if largest >= vocab:
+        raise HartsError(f"plan has token id {largest} but the model's vocabulary has {vocab} entries; "
+                         "fix: compile with --vocab-size to catch this early, or use a model with a larger vocabulary")
+    if getattr(model.config, "model_type", None) != "kimi_linear":
+        raise HartsError(f"model type {getattr(model.config, 'model_type', None)!r} is not supported yet; "
+                         "fix: use a kimi_linear model (harts init-model --arch kimi_linear)")
+
+
+def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = LossConfig(),
+             backward: bool = True, microbatches: list[int] | None = None) -> StepResult:
+    """Forward (and backward) of the step's microbatches, in plan order (slot, replica)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    check_model_fits(plan, model)
+    started = time.perf_counter()
+    chunk_size = int(plan.flags["chunk_size"])
+    runner = KimiLinearRunner(model, chunk_size=chunk_size)
+    offsets = np.asarray(plan.step["token_offsets"], dtype=np.int64)
+    flat_logprobs = np.full(int(offsets[-1]), np.nan, dtype=np.float32)
+    denominator = step_denominator(plan)
+    top_k = int(model.config.num_experts_per_tok)
+    total_loss, aux_total, z_total, rows = 0.0, 0.0, 0.0, 0
+    loads: dict = {}
+    times = []
+    if backward:
+        model.zero_grad(set_to_none=True)
+    selected = range(len(plan.microbatches)) if microbatches is None else microbatches
+    for index in selected:
+        t0 = time.perf_counter()
+        layout = build_layout(plan.microbatches[index], offsets, chunk_size, mode)
+        stats = MoEStatistics()
+        with torch.set_grad_enabled(backward):
+            hidden = runner.hidden_states(layout, stats)
+            lam = position_logprobs(hidden, model.lm_head.weight, layout.position_row, layout.position_label)
+            mb_loss = policy_loss(lam, _meta(plan, layout.position_flat), loss, denominator)
+            aux, z = stats.aux_loss(top_k), stats.z_loss()
+            objective = mb_loss + loss.moe_aux_coef * aux + loss.moe_z_coef * z
+        if backward:
+            objective.backward()
+        flat_logprobs[layout.position_flat] = lam.detach().float().numpy()
+        total_loss += float(mb_loss.detach())
+        aux_total += float(aux.detach())
+        z_total += float(z.detach())
+        for layer, load in stats.load.items():
+            loads[layer] = loads.get(layer, 0) + load.numpy()
+        rows += layout.num_rows
+        times.append(time.perf_counter() - t0)
+    ids = plan.step["ids"]
+    logprobs = {str(ids[t]): flat_logprobs[offsets[t]:offsets[t + 1]].copy() for t in range(len(ids))}
+    grads = {}
+    if backward:
+        grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return StepResult(logprobs=logprobs, loss=total_loss, grads=grads, moe_load=loads, moe_aux_loss=aux_total,
+                      moe_z_loss=z_total, seconds=time.perf_counter() - started, rows=rows,
+                      microbatch_seconds=times)

@@ -1,0 +1,78 @@
+"""`harts init-model` and `harts run` as a user runs them: files in, files out.
+
+Run: `python -m pytest tests/test_run_cli.py -q`.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from harts.cli import main as harts
+from harts.compiler.cli import main as hartsc
+
+TREES = [
+    {"id": "a", "tokens": [5, 6, 7, 8, 9, 10, 11, 12], "advantages": 0.5, "old_logprobs": [-1.0] * 8},
+    {"id": 7, "tokens": [5, 6, 7, 8, 20, 21], "advantages": -0.5, "old_logprobs": [-2.0] * 6,
+     "loss_mask": [0, 0, 0, 0, 1, 1]},
+    {"id": "c", "tokens": [5, 6, 7], "advantages": 1.0, "old_logprobs": [-1.5] * 3},
+]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("run")
+    (folder / "trees.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TREES))
+    assert harts(["init-model", "--preset", "tiny", "--vocab-size", "64", "-o", str(folder / "model")]) == 0
+    assert hartsc([str(folder / "trees.jsonl"), "-o", str(folder / "step.plan"), "--chunk-size", "2",
+                   "--vocab-size", "64"]) == 0
+    return folder
+
+
+@pytest.mark.parametrize("loss", ["nll", "grpo", "ppo"])
+def test_run_writes_logprobs_and_gradients(workspace, loss):
+    lp_path, g_path = workspace / f"lp-{loss}.npz", workspace / f"g-{loss}.safetensors"
+    assert harts(["run", str(workspace / "step.plan"), "--model", str(workspace / "model"), "--loss", loss,
+                  "--logprobs-out", str(lp_path), "--grads-out", str(g_path)]) == 0
+    logprobs = np.load(lp_path)
+    assert sorted(logprobs.files) == ["7", "a", "c"]
+    for record in TREES:
+        lp = logprobs[str(record["id"])]
+        assert lp.dtype == np.float32 and len(lp) == len(record["tokens"])
+        assert np.isnan(lp[0]) and np.all(lp[1:] < 0)
+    # Shared prefixes get the same log-probability in every trajectory that contains them.
+    np.testing.assert_array_equal(logprobs["a"][:3], logprobs["c"])
+    grads = load_file(g_path)
+    assert "model.embed_tokens.weight" in grads and "lm_head.weight" in grads
+    assert all(np.isfinite(g).all() for g in grads.values())
+
+
+def test_expanded_and_no_replay_give_the_same_outputs(workspace):
+    outputs = {}
+    for flags in ([], ["--mode", "expanded"], ["--no-replay"]):
+        name = "-".join(flags) or "compact"
+        lp, g = workspace / f"{name}.npz", workspace / f"{name}.safetensors"
+        assert harts(["run", str(workspace / "step.plan"), "--model", str(workspace / "model"),
+                      "--logprobs-out", str(lp), "--grads-out", str(g), *flags]) == 0
+        outputs[name] = (np.load(lp), load_file(g))
+    base_lp, base_g = outputs.pop("compact")
+    for lp, g in outputs.values():
+        for key in base_lp.files:
+            np.testing.assert_allclose(lp[key][1:], base_lp[key][1:], atol=1e-5)
+        for key, value in base_g.items():
+            np.testing.assert_allclose(g[key], value, rtol=1e-3, atol=1e-6)
+
+
+def test_bad_model_directory_is_one_line(workspace, tmp_path, capsys):
+    assert harts(["run", str(workspace / "step.plan"), "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "no config.json" in err and "fix:" in err
+
+
+def test_vocabulary_mismatch_is_one_line(workspace, tmp_path, capsys):
+    assert harts(["init-model", "--vocab-size", "16", "-o", str(tmp_path / "small")]) == 0
+    capsys.readouterr()
+    assert harts(["run", str(workspace / "step.plan"), "--model", str(tmp_path / "small")]) == 2
+    assert "vocabulary has 16 entries" in capsys.readouterr().err
