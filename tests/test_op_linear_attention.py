@@ -185,6 +185,17 @@ def test_packed_round_equals_sequences_alone(gate, chunk, dtype):
         assert torch.equal(final[i], final_alone[0]), s
 
 
+@pytest.mark.parametrize("fn", [chunk_linear_attention, naive_linear_attention], ids=["chunk", "naive"])
+def test_empty_round_and_no_exports(fn):
+    """Rounds the planner can emit at the edges: only empty sequences; no state requested."""
+    empty = make_round([0, 0], "scalar")
+    o, ex = run(fn, empty, I(), I(), 4)
+    assert o.shape == (0, 2, 5) and ex.shape == (0, 2, 6, 5)
+    inputs = make_round([3, 9], "channel")
+    o, ex = run(fn, inputs, I(), I(), 4)
+    assert o.shape == (12, 2, 5) and ex.shape == (0, 2, 6, 5)
+
+
 def test_initial_state_none_is_zeros():
     inputs = make_round([5, 12], "channel")
     o, ex = run(chunk_linear_attention, {**inputs, "initial_state": None}, I(0, 1), I(2, 3), 4)

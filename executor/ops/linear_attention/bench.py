@@ -2,8 +2,8 @@
 
 Not a test. Run (CPU; keep other work off the cores while it runs):
 
-    python -m harts.executor.ops.linear_attention.bench
-    python -m harts.executor.ops.linear_attention.bench --tokens 2048 --heads 2 --dims 32 --repeats 5
+    python -m harts.executor.ops.linear_attention.bench --threads 1
+    python -m harts.executor.ops.linear_attention.bench --tokens 2048 --shapes 2x32 --repeats 5
 
 Per-channel gate is compared with `chunk_kimi_delta_attention` (Kimi Linear),
 scalar gate with `torch_chunk_gated_delta_rule` (Qwen3-Next); both on one
@@ -83,12 +83,20 @@ def bench_one(per_channel: bool, num_tokens: int, num_heads: int, dim: int, chun
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192], help="tokens N per call")
-    parser.add_argument("--heads", type=int, nargs="+", default=[2, 4], help="heads H (q, k and v alike)")
-    parser.add_argument("--dims", type=int, nargs="+", default=[32, 64], help="head dims K = V")
+    parser.add_argument(
+        "--shapes", nargs="+", default=["2x32", "4x64"], help="HxD pairs: H heads (q, k, v alike), head dims K = V = D"
+    )
     parser.add_argument("--chunk-size", type=int, default=64, help="chunk size B for both sides")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell, after one warm-up")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    parser.add_argument(
+        "--threads", type=int, default=0,
+        help="torch threads (0: torch's default); 1 on shared cores, where parallel ops wait on descheduled workers",
+    )
     args = parser.parse_args(argv)
+    shapes = [shape.split("x") for shape in args.shapes]
+    if not all(len(shape) == 2 and all(x.isdigit() for x in shape) for shape in shapes):
+        parser.error(f"--shapes takes HxD pairs such as 4x64, got {args.shapes}")
+    shapes = [(int(h), int(d)) for h, d in shapes]
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -104,17 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(header))
     for per_channel in (True, False):
         for num_tokens in args.tokens:
-            for num_heads in args.heads:
-                for dim in args.dims:
-                    (of, ot), (_, packed), (hf, ht) = bench_one(
-                        per_channel, num_tokens, num_heads, dim, args.chunk_size, args.repeats
-                    )
-                    gate = "channel" if per_channel else "scalar"
-                    print(
-                        f"{gate:<8} {num_tokens:>5} {num_heads:>2} {dim:>3} | {of:>9.1f} {ot:>9.1f} | {packed:>9.1f} | "
-                        f"{hf:>9.1f} {ht:>9.1f} | {ht / ot:>6.1f}x",
-                        flush=True,
-                    )
+            for num_heads, dim in shapes:
+                (of, ot), (_, packed), (hf, ht) = bench_one(
+                    per_channel, num_tokens, num_heads, dim, args.chunk_size, args.repeats
+                )
+                gate = "channel" if per_channel else "scalar"
+                print(
+                    f"{gate:<8} {num_tokens:>5} {num_heads:>2} {dim:>3} | {of:>9.1f} {ot:>9.1f} | {packed:>9.1f} | "
+                    f"{hf:>9.1f} {ht:>9.1f} | {ht / ot:>6.1f}x",
+                    flush=True,
+                )
     return 0
 
 
