@@ -1,7 +1,8 @@
 """Update throughput on CPU: per-trajectory Hugging Face, expanded, compact and node-wise.
 
 Usage:
-    python benchmarks/bench_update.py [--kinds stepwise,treestep] [--preset tiny] [--scale small]
+    python benchmarks/bench_update.py [--workloads stepwise,treestep,treestep-branchy] [--preset tiny]
+                                      [--capacity 16384]
 
 For each generated workload (step-wise and tree-step, SWE-shaped but scaled
 down so a CPU finishes) and a tiny Kimi Linear model, every configuration runs
@@ -32,22 +33,27 @@ import tempfile
 import time
 from pathlib import Path
 
+# SWE-shaped (long shared prompt, tool outputs) at a CPU-sized scale.
+SWE_SMALL = dict(tasks=2, group_size=3, system_prompt_tokens=768, task_tokens_min=128, task_tokens_max=256,
+                 turns_min=4, turns_max=8, action_tokens_median=48.0, tool_tokens_median=160.0,
+                 tool_tokens_max=1024, context_limit=4096)
 WORKLOADS = {
-    # Step-wise: SWE-shaped (long shared prompt, tool outputs) at a CPU-sized scale.
-    "small": dict(tasks=2, group_size=3, system_prompt_tokens=768, task_tokens_min=128, task_tokens_max=256,
-                  turns_min=4, turns_max=8, action_tokens_median=48.0, tool_tokens_median=160.0,
-                  tool_tokens_max=1024, context_limit=4096),
+    "stepwise": ("stepwise", SWE_SMALL),
+    "treestep": ("treestep", SWE_SMALL),
+    # Many short segments: forks at most turns, so node-wise execution issues many small calls.
+    "treestep-branchy": ("treestep", dict(SWE_SMALL, branch_prob=0.6, max_branches=24, tool_tokens_median=60.0,
+                                          action_tokens_median=24.0, turns_min=6, turns_max=10)),
 }
 
 
-def generate(kind: str, scale: str, vocab: int, out: Path) -> None:
+def generate(workload: str, vocab: int, out: Path) -> None:
     from harts.tools import gen
 
-    config = gen.GenConfig(kind=kind, vocab_size=vocab, seed=0, **WORKLOADS[scale])
-    gen.write_jsonl(gen.generate(config), out)
+    kind, overrides = WORKLOADS[workload]
+    gen.write_jsonl(gen.generate(gen.GenConfig(kind=kind, vocab_size=vocab, seed=0, **overrides)), out)
 
 
-def child(config: str, trees: str, model_dir: str, chunk_size: int) -> None:
+def child(config: str, trees: str, model_dir: str, chunk_size: int, capacity: int) -> None:
     """Run one configuration and print a JSON line (seconds, rows, peak RSS)."""
     import numpy as np
     import torch
@@ -74,7 +80,7 @@ def child(config: str, trees: str, model_dir: str, chunk_size: int) -> None:
                 rows += len(tokens)
         compression = 1.0
     else:
-        result = compile_batch(batch, CompileOptions(chunk_size=chunk_size, capacity=1 << 20))
+        result = compile_batch(batch, CompileOptions(chunk_size=chunk_size, capacity=capacity))
         mode = config
         step = run_step(result.plan, model, mode=mode)
         rows = step.rows
@@ -88,16 +94,19 @@ def child(config: str, trees: str, model_dir: str, chunk_size: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", default="stepwise,treestep", help="comma-separated workloads (default both)")
-    parser.add_argument("--scale", choices=sorted(WORKLOADS), default="small", help="workload size (default small)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma-separated workloads among {', '.join(WORKLOADS)} (default all)")
     parser.add_argument("--preset", default="tiny", help="model preset (default tiny)")
     parser.add_argument("--configs", default="hf-per-trajectory,expanded,compact,nodewise",
                         help="comma-separated configurations (default all four)")
     parser.add_argument("--chunk-size", type=int, default=64, help="chunk size B (default 64, as the model's kernels)")
-    parser.add_argument("--child", nargs=4, metavar=("CONFIG", "TREES", "MODEL", "B"), help=argparse.SUPPRESS)
+    parser.add_argument("--capacity", type=int, default=16384,
+                        help="microbatch capacity T: compact rows per plan microbatch, original tokens per "
+                             "expanded group (default 16384, sized for a CPU)")
+    parser.add_argument("--child", nargs=5, metavar=("CONFIG", "TREES", "MODEL", "B", "T"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child[0], args.child[1], args.child[2], int(args.child[3]))
+        child(args.child[0], args.child[1], args.child[2], int(args.child[3]), int(args.child[4]))
         return
 
     from harts.executor.models.init_model import init_model
@@ -108,38 +117,38 @@ def main() -> None:
     init_model("kimi_linear", args.preset, model_dir, vocab_size=vocab)
     print(f"model: kimi_linear {args.preset}, vocab {vocab}; workloads in {folder}", file=sys.stderr)
     table = []
-    for kind in args.kinds.split(","):
+    for kind in args.workloads.split(","):
         trees = folder / f"{kind}.jsonl"
-        generate(kind, args.scale, vocab, trees)
+        generate(kind, vocab, trees)
         results = {}
         for config in args.configs.split(","):
             out = subprocess.run([sys.executable, __file__, "--child", config, str(trees), str(model_dir),
-                                  str(args.chunk_size)], capture_output=True, text=True)
+                                  str(args.chunk_size), str(args.capacity)], capture_output=True, text=True)
             if out.returncode != 0:
                 raise SystemExit(f"{config} on {kind} failed:\n{out.stderr[-3000:]}")
             results[config] = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"  {kind:<9} {config:<18} {results[config]['seconds']:.1f}s", file=sys.stderr)
         table.append((kind, results))
 
-    print(f"{'workload':<10} {'configuration':<36} {'tokens':>8} {'rows':>8} {'compr.':>7} {'seconds':>8} "
+    print(f"{'workload':<16} {'configuration':<36} {'tokens':>8} {'rows':>8} {'compr.':>7} {'seconds':>8} "
           f"{'tokens/s':>9} {'peak MiB':>9}")
     for kind, results in table:
         for config, r in results.items():
             name = config + (" (our KDA chunk core)" if config == "hf-per-trajectory" else "")
-            print(f"{kind:<10} {name:<36} {r['tokens']:>8} {r['rows']:>8} {r['compression']:>6.2f}x "
+            print(f"{kind:<16} {name:<36} {r['tokens']:>8} {r['rows']:>8} {r['compression']:>6.2f}x "
                   f"{r['seconds']:>8.2f} {r['tokens'] / r['seconds']:>9.0f} {r['peak_rss_mib']:>9.0f}")
         rate = {c: r["tokens"] / r["seconds"] for c, r in results.items()}
         if {"compact", "expanded"} <= rate.keys():
             ratio = rate["compact"] / rate["expanded"]
             need = 0.8 * results["compact"]["compression"]
-            print(f"{kind:<10} compact/expanded {ratio:.2f}x (target >= 0.8 x compression = {need:.2f}x): "
+            print(f"{kind:<16} compact/expanded {ratio:.2f}x (target >= 0.8 x compression = {need:.2f}x): "
                   f"{'met' if ratio >= need else 'MISSED'}")
         if {"compact", "nodewise"} <= rate.keys():
             ratio = rate["compact"] / rate["nodewise"]
-            print(f"{kind:<10} compact/nodewise {ratio:.2f}x (target >= 1.5x): {'met' if ratio >= 1.5 else 'MISSED'}")
+            print(f"{kind:<16} compact/nodewise {ratio:.2f}x (target >= 1.5x): {'met' if ratio >= 1.5 else 'MISSED'}")
         if {"expanded", "hf-per-trajectory"} <= rate.keys():
             slowdown = rate["hf-per-trajectory"] / rate["expanded"]
-            print(f"{kind:<10} expanded time / per-trajectory time {slowdown:.2f} (target <= 1.2): "
+            print(f"{kind:<16} expanded time / per-trajectory time {slowdown:.2f} (target <= 1.2): "
                   f"{'met' if slowdown <= 1.2 else 'MISSED'}")
 
 

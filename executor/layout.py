@@ -134,14 +134,43 @@ def _positions(path_rows: np.ndarray, lengths: np.ndarray, row_token: np.ndarray
     return (_long(path_rows[keep_row]), _long(row_token[path_rows[keep_label]]), flat[keep_label])
 
 
-def build_layout(mb: dict, token_offsets: np.ndarray, chunk_size: int, mode: str = "compact") -> ExecLayout:
+def expanded_groups(mb: dict, token_offsets: np.ndarray, capacity: int) -> list[np.ndarray]:
+    """Members packed in order into groups of at most `capacity` original tokens (one member at least).
+
+    The expanded baseline trains trajectories alone, so it packs them by their
+    own lengths under the same capacity a compact microbatch has, as
+    trajectory-expanded training would; one group per plan microbatch would
+    hold up to compression x capacity tokens.
+    """
+    token_offsets = np.asarray(token_offsets, dtype=np.int64)
+    trajectories = np.asarray(mb["member_trajectory"], dtype=np.int64)
+    lengths = token_offsets[trajectories + 1] - token_offsets[trajectories]
+    groups, start, used = [], 0, 0
+    for j, n in enumerate(lengths.tolist()):
+        if used + n > capacity and j > start:
+            groups.append(np.arange(start, j))
+            start, used = j, 0
+        used += n
+    groups.append(np.arange(start, len(lengths)))
+    return groups
+
+
+def build_layout(mb: dict, token_offsets: np.ndarray, chunk_size: int, mode: str = "compact",
+                 members: np.ndarray | None = None) -> ExecLayout:
+    """The rows one microbatch runs in `mode`; `members` (expanded mode only) selects a subset."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if members is not None and mode != "expanded":
+        raise ValueError("a member subset only makes sense in expanded mode (compact rows are shared)")
     token_offsets = np.asarray(token_offsets, dtype=np.int64)
     trajectories = _array(mb["member_trajectory"])
-    lengths = token_offsets[trajectories + 1] - token_offsets[trajectories]
     run_offsets = _array(mb["member_run_offsets"])
     run_start, run_length = _array(mb["run_row_start"]), _array(mb["run_length"])
+    if members is not None:
+        members = np.asarray(members, dtype=np.int64)
+        runs = expand_runs(run_offsets[members], run_offsets[members + 1] - run_offsets[members])
+        trajectories, run_start, run_length = trajectories[members], run_start[runs], run_length[runs]
+    lengths = token_offsets[trajectories + 1] - token_offsets[trajectories]
     compact_token = _array(mb["row_token"])
     path_rows = expand_runs(run_start, run_length)   # every member's rows, member after member
 

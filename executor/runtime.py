@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from harts.executor.layout import MODES, build_layout
+from harts.executor.layout import MODES, build_layout, expanded_groups
 from harts.executor.losses import LossConfig, PositionMeta, policy_loss
 from harts.executor.models.kimi_linear import KimiLinearRunner, MoEStatistics
 from harts.executor.ops.logprobs import position_logprobs
@@ -67,8 +67,16 @@ def check_model_fits(plan: Plan, model) -> None:
 
 
 def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = LossConfig(),
-             backward: bool = True, microbatches: list[int] | None = None) -> StepResult:
-    """Forward (and backward) of the step's microbatches, in plan order (slot, replica)."""
+             backward: bool = True, microbatches: list[int] | None = None,
+             pack_expanded: bool = True) -> StepResult:
+    """Forward (and backward) of the step's microbatches, in plan order (slot, replica).
+
+    In expanded mode, `pack_expanded` packs each microbatch's trajectories into
+    groups of at most the plan's capacity in original tokens (the realistic
+    baseline); False runs each plan microbatch's trajectories as one group, so
+    per-microbatch statistics (MoE auxiliary and z losses) are comparable with
+    compact execution of the same microbatch.
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     check_model_fits(plan, model)
@@ -85,9 +93,17 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     if backward:
         model.zero_grad(set_to_none=True)
     selected = range(len(plan.microbatches)) if microbatches is None else microbatches
+    capacity = int(plan.flags["capacity"])
+    work = []
     for index in selected:
+        mb = plan.microbatches[index]
+        if mode == "expanded" and pack_expanded:
+            work += [(mb, group) for group in expanded_groups(mb, offsets, capacity)]
+        else:
+            work.append((mb, None))
+    for mb, group in work:
         t0 = time.perf_counter()
-        layout = build_layout(plan.microbatches[index], offsets, chunk_size, mode)
+        layout = build_layout(mb, offsets, chunk_size, mode, members=group)
         stats = MoEStatistics()
         with torch.set_grad_enabled(backward):
             hidden = runner.hidden_states(layout, stats)
