@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model dtype (default float32)")
     p.add_argument("--logprobs-out", help="write per-trajectory log-probabilities (.npz keyed by str(id))")
     p.add_argument("--grads-out", help="write parameter gradients (.safetensors keyed by parameter name)")
+    p.add_argument("--recompute", action="store_true",
+                   help="full-layer activation recomputation: keep only layer inputs, re-run layers in backward")
     p.add_argument("--forward-only", action="store_true", help="skip the backward pass (no --grads-out)")
     p.add_argument("--json", action="store_true", help="print the run summary as one JSON object on stdout")
     return p
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = read_plan(args.plan)
         model = load_model(args.model, args.dtype)
-        result = run_step(plan, model, mode=mode, loss=loss, backward=not args.forward_only)
+        result = run_step(plan, model, mode=mode, loss=loss, backward=not args.forward_only,
+                          recompute=args.recompute)
         if args.logprobs_out:
             write_logprobs(args.logprobs_out, result.logprobs)
         if args.grads_out:

@@ -68,21 +68,22 @@ def check_model_fits(plan: Plan, model) -> None:
 
 def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = LossConfig(),
              backward: bool = True, microbatches: list[int] | None = None,
-             pack_expanded: bool = True) -> StepResult:
+             pack_expanded: bool = True, recompute: bool = False) -> StepResult:
     """Forward (and backward) of the step's microbatches, in plan order (slot, replica).
 
     In expanded mode, `pack_expanded` packs each microbatch's trajectories into
     groups of at most the plan's capacity in original tokens (the realistic
     baseline); False runs each plan microbatch's trajectories as one group, so
     per-microbatch statistics (MoE auxiliary and z losses) are comparable with
-    compact execution of the same microbatch.
+    compact execution of the same microbatch. `recompute` turns on full-layer
+    activation recomputation (same gradients, lower peak memory).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     check_model_fits(plan, model)
     started = time.perf_counter()
     chunk_size = int(plan.flags["chunk_size"])
-    runner = KimiLinearRunner(model, chunk_size=chunk_size)
+    runner = KimiLinearRunner(model, chunk_size=chunk_size, recompute=recompute)
     offsets = np.asarray(plan.step["token_offsets"], dtype=np.int64)
     flat_logprobs = np.full(int(offsets[-1]), np.nan, dtype=np.float32)
     denominator = step_denominator(plan)

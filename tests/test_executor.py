@@ -165,3 +165,16 @@ def test_random_trees_compact_equals_expanded(model, lists, chunk_size, dp):
     floor = gradient_floor(compact.grads)
     for name, grad in compact.grads.items():
         assert relative_error(expanded.grads[name], grad, floor) <= 1e-4, name
+
+
+def test_recomputation_gives_the_same_gradients_and_statistics(model):
+    lists = boundary_tree(np.random.default_rng(3))
+    plan = compile_lists(lists)
+    loss = LossConfig("nll", moe_aux_coef=0.01, moe_z_coef=0.001)
+    plain = run_step(plan, model, loss=loss)
+    recomputed = run_step(plan, model, loss=loss, recompute=True)
+    assert recomputed.loss == plain.loss and recomputed.moe_aux_loss == plain.moe_aux_loss
+    for layer, load in plain.moe_load.items():
+        np.testing.assert_array_equal(recomputed.moe_load[layer], load)
+    for name, grad in plain.grads.items():
+        torch.testing.assert_close(recomputed.grads[name], grad, rtol=1e-6, atol=1e-9)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from harts.executor.layout import ExecLayout
 from harts.executor.ops.ancestor_attention import ancestor_attention
@@ -74,35 +75,51 @@ class MoEStatistics:
 class KimiLinearRunner:
     """Forward of a `KimiLinearForCausalLM` over an `ExecLayout`'s rows."""
 
-    def __init__(self, model, chunk_size: int = 64, attention_block_tokens: int = 1024):
+    def __init__(self, model, chunk_size: int = 64, attention_block_tokens: int = 1024, recompute: bool = False):
         self.model = model
         self.config = model.config
         self.chunk_size = chunk_size
         self.attention_block_tokens = attention_block_tokens
+        # Full-layer activation recomputation: each decoder layer keeps only its
+        # input for backward and re-runs the same rows, rounds, replay and
+        # handoffs from the fixed layout when its gradient is needed.
+        self.recompute = recompute
+        self._recording = True
 
     def hidden_states(self, layout: ExecLayout, stats: MoEStatistics | None = None) -> torch.Tensor:
         """Final hidden states [R, D] (after the last norm), one per row."""
         base = self.model.model
-        context = None
+        context = (conv_context(layout.row_parent, self.config.linear_conv_kernel_dim)
+                   if "linear_attention" in self.config.layer_types else None)
         h_RD = base.embed_tokens(layout.row_token)
         if stats is not None:
             stats.tokens = stats.tokens + layout.row_weight.sum()
+        self._recording = True
         for index, layer in enumerate(base.layers):
-            x_RD = layer.input_layernorm(h_RD)
-            if self.config.layer_types[index] == "linear_attention":
-                if context is None:
-                    context = conv_context(layout.row_parent, self.config.linear_conv_kernel_dim)
-                a_RD = self.kda(layer.self_attn, x_RD, layout, context)
+            if self.recompute and torch.is_grad_enabled():
+                h_RD = checkpoint(self.layer, index, layer, h_RD, layout, context, stats, use_reentrant=False)
             else:
-                a_RD = self.mla(layer.self_attn, x_RD, layout)
-            h_RD = h_RD + a_RD
-            x_RD = layer.post_attention_layernorm(h_RD)
-            if self.config.mlp_layer_types[index] == "sparse":
-                m_RD = self.moe(layer.mlp, x_RD, layout, index, stats)
-            else:
-                m_RD = layer.mlp(x_RD)
-            h_RD = h_RD + m_RD
+                h_RD = self.layer(index, layer, h_RD, layout, context, stats)
+        # Statistics are recorded by the forward pass only, never by a recomputation in backward.
+        self._recording = False
         return base.norm(h_RD)
+
+    def layer(self, index: int, layer, h_RD, layout: ExecLayout, context, stats: MoEStatistics | None):
+        x_RD = layer.input_layernorm(h_RD)
+        if self.config.layer_types[index] == "linear_attention":
+            a_RD = self.kda(layer.self_attn, x_RD, layout, context)
+        else:
+            a_RD = self.mla(layer.self_attn, x_RD, layout)
+        h_RD = h_RD + a_RD
+        x_RD = layer.post_attention_layernorm(h_RD)
+        if self.config.mlp_layer_types[index] == "sparse":
+            # A recomputation must save exactly what the forward saved, so it computes the
+            # statistics too, into a throwaway record.
+            record = stats if self._recording or stats is None else MoEStatistics()
+            m_RD = self.moe(layer.mlp, x_RD, layout, index, record)
+        else:
+            m_RD = layer.mlp(x_RD)
+        return h_RD + m_RD
 
     def kda(self, attn, x_RD, layout: ExecLayout, context) -> torch.Tensor:
         R = x_RD.shape[0]
