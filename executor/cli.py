@@ -84,14 +84,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     loss = LossConfig(kind=args.loss, clip_low=args.clip_low, clip_high=args.clip_high, kl_coef=args.kl_coef,
                       moe_aux_coef=args.moe_aux_coef, moe_z_coef=args.moe_z_coef)
+    from harts.executor import distributed
+
+    primary = True
     try:
         plan = read_plan(args.plan)
         model = load_model(args.model, args.dtype)
+        selected = None
+        if distributed.launched_by_torchrun():
+            group = distributed.init_data_parallel(int(plan.flags["dp"]))
+            selected, primary = distributed.microbatches_of_replica(plan, group.rank), group.is_primary
         result = run_step(plan, model, mode=mode, loss=loss, backward=not args.forward_only,
-                          recompute=args.recompute)
-        if args.logprobs_out:
+                          recompute=args.recompute, microbatches=selected)
+        if selected is not None:
+            distributed.all_reduce_result(result, model)
+        if primary and args.logprobs_out:
             write_logprobs(args.logprobs_out, result.logprobs)
-        if args.grads_out:
+        if primary and args.grads_out:
             write_grads(args.grads_out, result.grads)
     except HartsError as err:
         print(f"harts run: {err}", file=sys.stderr)
@@ -99,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:   # objective misuse, e.g. ppo without old_logprobs
         print(f"harts run: {err}", file=sys.stderr)
         return 2
+    if not primary:
+        return 0
     original = int(plan.step["original_tokens"])
     summary = {"mode": mode, "loss": result.loss, "moe_aux_loss": result.moe_aux_loss, "moe_z_loss": result.moe_z_loss,
                "original_tokens": original, "decoder_rows": result.rows, "seconds": result.seconds,

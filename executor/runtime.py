@@ -126,7 +126,9 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     logprobs = {str(ids[t]): flat_logprobs[offsets[t]:offsets[t + 1]].copy() for t in range(len(ids))}
     grads = {}
     if backward:
-        grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+        # Every parameter appears; one no row reached (an expert nobody was routed to) has a zero gradient.
+        grads = {name: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                 for name, p in model.named_parameters()}
     return StepResult(logprobs=logprobs, loss=total_loss, grads=grads, moe_load=loads, moe_aux_loss=aux_total,
                       moe_z_loss=z_total, seconds=time.perf_counter() - started, rows=rows,
                       microbatch_seconds=times)

@@ -1,0 +1,61 @@
+"""Data parallelism: `torchrun --nproc-per-node 2 harts run` equals one process running the whole step.
+
+Run: `python -m pytest tests/test_distributed.py -q` (starts 2 gloo processes; ~30 s).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from harts.cli import main as harts
+from harts.compiler.cli import main as hartsc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
+def test_two_ranks_give_the_single_process_gradients(tmp_path):
+    rng = np.random.default_rng(0)
+    base = [int(t) for t in rng.integers(3, 64, 40)]
+    records = [{"id": i, "tokens": base[: 10 + 3 * i] + [int(t) for t in rng.integers(3, 64, 5 + i)],
+                "advantages": float(rng.normal())} for i in range(8)]
+    (tmp_path / "trees.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert harts(["init-model", "--vocab-size", "64", "-o", str(tmp_path / "model")]) == 0
+    assert hartsc([str(tmp_path / "trees.jsonl"), "-o", str(tmp_path / "step.plan"), "--dp", "2",
+                   "--capacity", "80", "--chunk-size", "4"]) == 0
+    common = [str(tmp_path / "step.plan"), "--model", str(tmp_path / "model"), "--loss", "grpo"]
+    assert harts(["run", *common, "--logprobs-out", str(tmp_path / "one.npz"),
+                  "--grads-out", str(tmp_path / "one.safetensors")]) == 0
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                          str(free_port()), "--no-python", "harts", "run", *common,
+                          "--logprobs-out", str(tmp_path / "two.npz"), "--grads-out", str(tmp_path / "two.safetensors")],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    one, two = load_file(tmp_path / "one.safetensors"), load_file(tmp_path / "two.safetensors")
+    assert one.keys() == two.keys()
+    for name, grad in one.items():
+        np.testing.assert_allclose(two[name], grad, rtol=1e-5, atol=1e-7, err_msg=name)
+    lp_one, lp_two = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two.npz")
+    for key in lp_one.files:
+        np.testing.assert_allclose(lp_two[key][1:], lp_one[key][1:], rtol=0, atol=1e-6)
+
+
+def test_world_size_must_match_the_plan(tmp_path, monkeypatch):
+    from harts.executor.distributed import init_data_parallel
+    from harts.schema.errors import HartsError
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(HartsError, match="compiled for --dp 2"):
+        init_data_parallel(2)
