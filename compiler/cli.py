@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from harts.compiler.pipeline import LEVELS, PLANNERS, CompileOptions, compile_batch
+from harts.progress import terminal_progress
 from harts.schema.errors import HartsError
 from harts.schema.plan import atomic_write_bytes, encode_plan
 from harts.schema.summary import plan_statistics
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         batch = read_trees(args.trees, vocab_size=args.vocab_size, capacity=args.capacity)
         read_seconds = time.perf_counter() - t0
-        result = compile_batch(batch, options)
+        result = compile_batch(batch, options, progress=terminal_progress)
         data = encode_plan(result.plan)
         atomic_write_bytes(Path(args.output), data)
         planning = result.planning_seconds

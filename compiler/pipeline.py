@@ -116,7 +116,8 @@ def check_options(options: CompileOptions) -> None:
                                   "pass a positive integer")
 
 
-def compile_batch(batch: TrajectoryBatch, options: CompileOptions) -> CompileResult:
+def compile_batch(batch: TrajectoryBatch, options: CompileOptions, progress=None) -> CompileResult:
+    """Run every pass. `progress`, if given, wraps the per-microbatch loop (e.g. a tqdm bar)."""
     check_options(options)
     seconds: dict[str, float] = {}
 
@@ -138,7 +139,8 @@ def compile_batch(batch: TrajectoryBatch, options: CompileOptions) -> CompileRes
     records: list[dict] = []
     # Memory order of microbatches: by slot, then replica, as the executor runs them.
     run_order = np.lexsort((partition.replica, partition.slot))
-    for k in run_order.tolist():
+    ordered = run_order.tolist()
+    for k in (progress(ordered, "lowering microbatches") if progress else ordered):
         members = partition.members[k]
         layout = timed("build-layout", build_layout, batch.token_offsets, batch.tokens,
                        trie.order[members], member_lcps(trie, members))

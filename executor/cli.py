@@ -12,6 +12,7 @@ import torch
 
 from harts.executor.layout import MODES
 from harts.executor.losses import LOSSES, LossConfig
+from harts.progress import terminal_progress
 from harts.schema.errors import HartsError
 from harts.schema.plan import atomic_write_bytes, read_plan
 
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             group = distributed.init_data_parallel(int(plan.flags["dp"]))
             selected, primary = distributed.microbatches_of_replica(plan, group.rank), group.is_primary
         result = run_step(plan, model, mode=mode, loss=loss, backward=not args.forward_only,
-                          recompute=args.recompute, microbatches=selected)
+                          recompute=args.recompute, microbatches=selected,
+                          progress=terminal_progress if primary else None)
         if selected is not None:
             distributed.all_reduce_result(result, model)
         if primary and args.logprobs_out:

@@ -68,7 +68,7 @@ def check_model_fits(plan: Plan, model) -> None:
 
 def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = LossConfig(),
              backward: bool = True, microbatches: list[int] | None = None,
-             pack_expanded: bool = True, recompute: bool = False) -> StepResult:
+             pack_expanded: bool = True, recompute: bool = False, progress=None) -> StepResult:
     """Forward (and backward) of the step's microbatches, in plan order (slot, replica).
 
     In expanded mode, `pack_expanded` packs each microbatch's trajectories into
@@ -76,7 +76,8 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     baseline); False runs each plan microbatch's trajectories as one group, so
     per-microbatch statistics (MoE auxiliary and z losses) are comparable with
     compact execution of the same microbatch. `recompute` turns on full-layer
-    activation recomputation (same gradients, lower peak memory).
+    activation recomputation (same gradients, lower peak memory). `progress`,
+    if given, wraps the microbatch loop (e.g. a tqdm bar).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -102,7 +103,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
             work += [(mb, group) for group in expanded_groups(mb, offsets, capacity)]
         else:
             work.append((mb, None))
-    for mb, group in work:
+    for mb, group in (progress(work, f"{mode} microbatches") if progress else work):
         t0 = time.perf_counter()
         layout = build_layout(mb, offsets, chunk_size, mode, members=group)
         stats = MoEStatistics()
