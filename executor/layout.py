@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from harts.executor.ops.ancestor_attention import AttentionViews
+from harts.schema.runs import expand_runs
 
 MODES = ("compact", "nodewise", "expanded")
 
@@ -31,15 +32,6 @@ def _array(x, dtype=np.int64) -> np.ndarray:
 
 def _long(x) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
-
-
-def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenate arange(s, s + n) over runs, vectorised."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if lengths.sum() == 0:
-        return np.zeros(0, dtype=np.int64)
-    offsets = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return np.repeat(np.asarray(starts, dtype=np.int64), lengths) + (np.arange(int(lengths.sum())) - offsets)
 
 
 @dataclass(frozen=True, eq=False)

@@ -8,7 +8,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harts.compiler.ir.layout import expand_runs, verify_layout
+from harts.compiler.ir.layout import verify_layout
+from harts.schema.runs import expand_runs
 from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.passes.build_trie import build_trie, verify_trie
 

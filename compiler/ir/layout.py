@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from harts.schema.errors import VerificationError
+from harts.schema.runs import expand_runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,23 +80,6 @@ class CompactLayout:
         """Row of every position of one member (position -> row map m); tests and tools only."""
         lo, hi = self.run_offsets[member], self.run_offsets[member + 1]
         return expand_runs(self.run_row_start[lo:hi], self.run_length[lo:hi])
-
-
-def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenate `arange(s, s + n)` for each run without a Python loop."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    run_begin = np.zeros(len(lengths), dtype=np.int64)
-    np.cumsum(lengths[:-1], out=run_begin[1:])
-    # Each output element is its run's start plus its offset within the run.
-    step = np.ones(total, dtype=np.int64)
-    nonempty = lengths > 0
-    first = run_begin[nonempty]
-    starts = np.asarray(starts, dtype=np.int64)[nonempty]
-    step[first] = starts - np.concatenate(([0], starts[:-1] + lengths[nonempty][:-1] - 1))
-    return np.cumsum(step)
 
 
 def build_layout(token_offsets: np.ndarray, tokens: np.ndarray, trajectories: np.ndarray,

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from harts.compiler.ir.layout import CompactLayout, expand_runs
+from harts.compiler.ir.layout import CompactLayout
+from harts.schema.runs import expand_runs
 from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.ir.trie import TrieIR
 from harts.compiler.passes.assign_rounds import RoundSchedule

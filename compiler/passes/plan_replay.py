@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harts.compiler.ir.layout import CompactLayout, expand_runs
+from harts.compiler.ir.layout import CompactLayout
+from harts.schema.runs import expand_runs
 from harts.compiler.passes.assign_rounds import RoundSchedule
 from harts.schema.errors import VerificationError
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from harts.schema.runs import expand_runs
+
 
 def _as_int64(name: str, x, ndim: int = 1) -> np.ndarray:
     if isinstance(x, torch.Tensor):
@@ -30,23 +32,6 @@ def _as_int64(name: str, x, ndim: int = 1) -> np.ndarray:
     if x.ndim != ndim or (x.size and not np.issubdtype(x.dtype, np.integer)):
         raise ValueError(f"{name} must be a {ndim}-D integer array, got dtype {x.dtype} and shape {x.shape}")
     return x.astype(np.int64, copy=False)
-
-
-def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenate `arange(s, s + n)` over the runs, without a per-run Python loop."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    keep = lengths > 0
-    starts, lengths = np.asarray(starts, dtype=np.int64)[keep], lengths[keep]
-    # Each element is its run's start plus its offset inside the run: a cumsum of
-    # ones with a jump at every run's first element.
-    step = np.ones(total, dtype=np.int64)
-    first = np.zeros(len(lengths), dtype=np.int64)
-    np.cumsum(lengths[:-1], out=first[1:])
-    step[first] = starts - np.concatenate(([0], starts[:-1] + lengths[:-1] - 1))
-    return np.cumsum(step)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
