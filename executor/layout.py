@@ -7,9 +7,10 @@ sequences of a round, E exported states, P semantic positions with a label
 Three modes read the same plan record; none walks a tree:
 
 * `compact`: the plan's compact rows and its minimum-call rounds with replay;
-* `nodewise`: the same rows, one linear-attention sequence per segment,
-  rounds by segment level, the exact parent state handed over at each fork
-  (no replay: the paper's node-wise ablation, also `--no-replay`);
+* `nodewise`: the same rows, one linear-attention call per segment (the
+  paper's Section 5.4 node-wise ablation, also `--no-replay`): each segment
+  starts from its parent's exact final state at the fork, on a chunk grid
+  that starts there (no replay);
 * `expanded`: every trajectory gets its own rows (gathered from the compact
   rows by its path), one sequence each, nothing shared: the baseline.
 """
@@ -219,10 +220,10 @@ def _compact_calls(mb: dict) -> LinearCalls:
 
 
 def _nodewise_calls(mb: dict, chunk_size: int) -> LinearCalls:
-    """One sequence per segment; a child starts from its parent segment's final state."""
+    """One call per segment, in memory order (parents first); a child starts from its
+    parent segment's final state, handed over at the exact fork position."""
     seg_start = _array(mb["segment_row_start"])
     parent = _array(mb["segment_parent"])
-    level = _array(mb["segment_level"])
     seg_len = np.diff(seg_start)
     has_children = np.zeros(len(parent), dtype=bool)
     has_children[parent[parent >= 0]] = True
@@ -232,4 +233,5 @@ def _nodewise_calls(mb: dict, chunk_size: int) -> LinearCalls:
     start_state = np.where(parent >= 0, export_of_segment[np.maximum(parent, 0)], -1)
     sequences = [(np.arange(seg_start[v], seg_start[v + 1]), 0) for v in range(len(parent))]
     export_chunk = -(-seg_len[exporter] // chunk_size)   # ceil: the final (possibly partial) chunk
-    return _calls(sequences, level + 1, start_state, exporter, export_chunk, False, [s for s, _ in sequences])
+    return _calls(sequences, np.arange(1, len(parent) + 1), start_state, exporter, export_chunk, True,
+                  [s for s, _ in sequences])
