@@ -11,6 +11,8 @@ SUBCOMMANDS = {
     "run": ("harts.executor.cli", "run a plan on a Hugging Face model: log-probabilities, loss, gradients"),
     "init-model": ("harts.executor.models.init_model", "write a random model as a Hugging Face directory"),
     "gen": ("harts.tools.gen", "generate a synthetic agentic workload (stepwise or treestep)"),
+    "diff": ("harts.tools.diff", "what changed between two plans (--json for one JSON object)"),
+    "viz": ("harts.tools.viz", "write a self-contained HTML page of plots of a plan"),
 }
 
 

@@ -96,3 +96,14 @@ def test_bad_files_are_rejected_in_one_line(tmp_path, how, words):
 def test_missing_file_is_a_plan_error(tmp_path):
     with pytest.raises(PlanFormatError, match="cannot read plan"):
         read_plan(tmp_path / "absent.plan")
+
+
+def test_written_plan_gets_ordinary_file_permissions(tmp_path):
+    import os
+
+    umask = os.umask(0o022)
+    try:
+        write_plan(sample_plan(), tmp_path / "p.plan")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "p.plan").stat().st_mode & 0o777 == 0o644

@@ -524,6 +524,7 @@ def write_jsonl(records: Iterable[dict], path: str | os.PathLike) -> WriteResult
     arrays in records are written as JSON lists.
     """
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     option = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
     # Not mkstemp: its 0600 mode would survive the rename; this honours the umask.
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"

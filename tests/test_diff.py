@@ -1,0 +1,107 @@
+"""`harts diff`: what changed between two plans, for a terminal or as JSON.
+
+Run: `python -m pytest tests/test_diff.py -q`. The plans are compiled from one
+small tree-step workload with different flags; `harts diff` exits 0 whether or
+not they differ.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from harts.cli import main as harts_main
+from harts.compiler.cli import main as hartsc_main
+from harts.schema.plan import read_plan
+from harts.tools import gen
+from harts.tools.diff import diff_plans
+
+WORKLOAD = gen.GenConfig(kind="treestep", tasks=6, group_size=3, system_prompt_tokens=128, task_tokens_min=32,
+                         task_tokens_max=64, turns_min=2, turns_max=4, action_tokens_median=16.0,
+                         tool_tokens_median=32.0, tool_tokens_max=128, context_limit=512, vocab_size=1000,
+                         seed=0, branch_prob=0.4)
+JSON_KEYS = {"a", "b", "identical", "changed", "flags", "trajectories", "statistics", "membership", "placement",
+             "windows", "rounds"}
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("diff")
+    trees = folder / "trees.jsonl"
+    gen.write_jsonl(gen.generate(WORKLOAD), trees)
+    flags = {"dp2": ["--dp", "2", "--capacity", "700"], "dp4": ["--dp", "4", "--capacity", "700"],
+             "dp4_again": ["--dp", "4", "--capacity", "700"], "dp4_small": ["--dp", "4", "--capacity", "600"]}
+    paths = {}
+    for name, extra in flags.items():
+        paths[name] = folder / f"{name}.plan"
+        assert hartsc_main([str(trees), "-o", str(paths[name]), "--chunk-size", "16", *extra]) == 0
+    return paths
+
+
+def run_diff(capsys, *argv):
+    code = harts_main(["diff", *map(str, argv)])
+    out = capsys.readouterr().out
+    assert code == 0, "harts diff exits 0 whether or not the plans differ"
+    return out
+
+
+def test_identical_plans_print_one_line(plans, capsys):
+    out = run_diff(capsys, plans["dp4"], plans["dp4_again"])
+    assert out.strip().splitlines() == [f"identical: {plans['dp4']} and {plans['dp4_again']} are byte-identical"]
+    data = json.loads(run_diff(capsys, plans["dp4"], plans["dp4_again"], "--json"))
+    assert data["identical"] is True and data["changed"] == []
+
+
+def test_different_dp_shows_flags_and_placement_not_membership(plans, capsys):
+    out = run_diff(capsys, plans["dp2"], plans["dp4"])
+    assert out.startswith("differ: flags")
+    flag_lines = [line.split() for line in out.splitlines() if line.strip().startswith("dp ")]
+    assert ["dp", "2", "4"] in flag_lines
+    # The same L1 microbatches, dealt out to more replicas: nobody changes microbatch.
+    result = diff_plans(read_plan(plans["dp2"]), read_plan(plans["dp4"]))
+    assert result["flags"]["dp"] == [2, 4] and result["flags"]["capacity"] == [700, 700]
+    assert result["membership"]["moved"] == [] and "membership" not in result["changed"]
+    assert "placement" in result["changed"] and "placement:" in out
+    assert result["statistics"]["slots"]["a"] == 2 * result["statistics"]["slots"]["b"]
+    assert "capacity" not in out, "only what changed is shown"
+
+
+def test_different_capacity_moves_trajectories_by_id(plans, capsys):
+    a, b = read_plan(plans["dp4"]), read_plan(plans["dp4_small"])
+    result = diff_plans(a, b)
+    moved = result["membership"]["moved"]
+    assert moved and "membership" in result["changed"]
+    where_b = {tid: i for i, mb in enumerate(b.microbatches) for tid in (b.step["ids"][t] for t in mb["member_trajectory"])}
+    for move in moved:
+        assert where_b[move["id"]] == move["to"]["microbatch"]
+        assert move["id"] in a.step["ids"]
+    out = run_diff(capsys, plans["dp4"], plans["dp4_small"])
+    assert f"membership: {len(moved)} of" in out
+    assert str(moved[0]["id"]) in out
+    counts = re.search(r"^  microbatches +(\d+) +(\d+) +\+(\d+)$", out, re.M)
+    assert counts and counts.groups() == (str(len(a.microbatches)), str(len(b.microbatches)),
+                                          str(len(b.microbatches) - len(a.microbatches)))
+
+
+def test_json_is_one_object_with_every_section(plans, capsys):
+    out = run_diff(capsys, plans["dp4"], plans["dp4_small"], "--json")
+    assert len(out.strip().splitlines()) == 1
+    data = json.loads(out)
+    assert set(data) == JSON_KEYS
+    assert data["identical"] is False
+    assert {"flags", "statistics", "membership"} <= set(data["changed"])
+    assert data["flags"]["capacity"] == [700, 600]
+    for key in ("compression", "balance", "decoder_tokens", "max_rounds", "windows", "microbatches"):
+        assert set(data["statistics"][key]) == {"a", "b", "delta"}
+    assert data["windows"]["a"]["count"] == 0 and data["windows"]["b"]["spans"] == []
+    assert set(data["membership"]) == {"moved", "unmatched_a", "unmatched_b"}
+    assert all(set(m) == {"id", "from", "to"} for m in data["membership"]["moved"])
+
+
+def test_unreadable_plan_is_one_line_and_nonzero(plans, tmp_path, capsys):
+    bad = tmp_path / "bad.plan"
+    bad.write_bytes(b"not a plan")
+    assert harts_main(["diff", str(plans["dp4"]), str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a HARTS plan" in err[0]
