@@ -16,7 +16,8 @@ import torch
 
 from harts.executor.layout import MODES, build_layout, expanded_groups
 from harts.executor.losses import LossConfig, PositionMeta, policy_loss
-from harts.executor.models.kimi_linear import KimiLinearRunner, MoEStatistics
+from harts.executor.models.kimi_linear import MoEStatistics
+from harts.executor.models.registry import runner_for
 from harts.executor.ops.logprobs import position_logprobs
 from harts.schema.errors import HartsError
 from harts.schema.plan import Plan
@@ -61,9 +62,6 @@ def check_model_fits(plan: Plan, model) -> None:
     if largest >= vocab:
         raise HartsError(f"plan has token id {largest} but the model's vocabulary has {vocab} entries; "
                          "fix: compile with --vocab-size to catch this early, or use a model with a larger vocabulary")
-    if getattr(model.config, "model_type", None) != "kimi_linear":
-        raise HartsError(f"model type {getattr(model.config, 'model_type', None)!r} is not supported yet; "
-                         "fix: use a kimi_linear model (harts init-model --arch kimi_linear)")
 
 
 def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = LossConfig(),
@@ -84,11 +82,11 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     check_model_fits(plan, model)
     started = time.perf_counter()
     chunk_size = int(plan.flags["chunk_size"])
-    runner = KimiLinearRunner(model, chunk_size=chunk_size, recompute=recompute)
+    runner = runner_for(model, chunk_size=chunk_size, recompute=recompute)
     offsets = np.asarray(plan.step["token_offsets"], dtype=np.int64)
     flat_logprobs = np.full(int(offsets[-1]), np.nan, dtype=np.float32)
     denominator = step_denominator(plan)
-    top_k = int(model.config.num_experts_per_tok)
+    top_k = runner.top_k
     total_loss, aux_total, z_total, rows = 0.0, 0.0, 0.0, 0
     loads: dict = {}
     times = []

@@ -86,6 +86,10 @@ class KimiLinearRunner:
         self.recompute = recompute
         self._recording = True
 
+    @property
+    def top_k(self) -> int:
+        return int(self.config.num_experts_per_tok)
+
     def hidden_states(self, layout: ExecLayout, stats: MoEStatistics | None = None) -> torch.Tensor:
         """Final hidden states [R, D] (after the last norm), one per row."""
         base = self.model.model

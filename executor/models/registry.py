@@ -1,0 +1,25 @@
+"""Which runner executes which Hugging Face model family (`config.model_type`).
+
+A runner wraps a loaded `*ForCausalLM`, reuses its modules, and exposes
+`hidden_states(layout, stats) -> [R, D]` over an `ExecLayout`'s rows plus the
+model's `top_k` (experts per token). Adding a family means adding a module in
+`executor/models/` and one line here.
+"""
+from __future__ import annotations
+
+import importlib
+
+from harts.schema.errors import HartsError
+
+RUNNERS = {
+    "kimi_linear": ("harts.executor.models.kimi_linear", "KimiLinearRunner"),
+}
+
+
+def runner_for(model, **options):
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in RUNNERS:
+        raise HartsError(f"model type {model_type!r} is not supported yet; fix: use one of "
+                         f"{', '.join(sorted(RUNNERS))} (harts init-model writes one)")
+    module, name = RUNNERS[model_type]
+    return getattr(importlib.import_module(module), name)(model, **options)
