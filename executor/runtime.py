@@ -16,7 +16,7 @@ import torch
 
 from harts.executor.layout import MODES, build_layout, expanded_groups
 from harts.executor.losses import LossConfig, PositionMeta, policy_loss
-from harts.executor.models.kimi_linear import MoEStatistics
+from harts.executor.models.moe import MoEStatistics
 from harts.executor.models.registry import runner_for
 from harts.executor.ops.logprobs import position_logprobs
 from harts.schema.errors import HartsError
