@@ -8,7 +8,10 @@ downloaded), so the directory loads with `from_pretrained` anywhere. Presets:
 
 Both keep the paper's architecture: Kimi Linear interleaves KDA linear
 attention with MLA full attention (3:1), the first layer dense and the rest
-MoE with group-limited top-k routing and a shared expert.
+MoE with group-limited top-k routing and a shared expert. Qwen3-Next
+interleaves Gated DeltaNet with gated full attention (3:1, partial RoPE,
+grouped kv heads), the first layer dense and the rest MoE (softmax top-k with
+a sigmoid-gated shared expert).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-ARCHITECTURES = ("kimi_linear",)
+ARCHITECTURES = ("kimi_linear", "qwen3_next")
 PRESETS = ("tiny", "small")
 
 
@@ -58,10 +61,53 @@ def kimi_linear_config(preset: str, vocab_size: int):
     )
 
 
+def qwen3_next_config(preset: str, vocab_size: int):
+    from transformers import Qwen3NextConfig
+
+    size = {"tiny": dict(hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, k_heads=2, v_heads=4, linear_dim=16,
+                         experts=8, moe_inter=32, inter=128),
+            "small": dict(hidden=256, layers=8, heads=8, kv_heads=2, head_dim=32, k_heads=4, v_heads=8, linear_dim=32,
+                          experts=16, moe_inter=128, inter=512)}[preset]
+    layers = size["layers"]
+    return Qwen3NextConfig(
+        vocab_size=vocab_size,
+        hidden_size=size["hidden"],
+        intermediate_size=size["inter"],
+        num_hidden_layers=layers,
+        num_attention_heads=size["heads"],
+        num_key_value_heads=size["kv_heads"],
+        head_dim=size["head_dim"],
+        partial_rotary_factor=0.25,
+        linear_conv_kernel_dim=4,
+        linear_num_key_heads=size["k_heads"],
+        linear_num_value_heads=size["v_heads"],
+        linear_key_head_dim=size["linear_dim"],
+        linear_value_head_dim=size["linear_dim"],
+        num_experts=size["experts"],
+        num_experts_per_tok=2,
+        moe_intermediate_size=size["moe_inter"],
+        shared_expert_intermediate_size=size["moe_inter"],
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        # 3:1 Gated DeltaNet : gated attention as in Qwen3-Next; the first layer dense, the rest MoE.
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
+        mlp_only_layers=[0],
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+
+
 def init_model(arch: str, preset: str, out: str | Path, *, vocab_size: int = 512, seed: int = 0):
     """Build, initialise and save a model; returns it (float32, eval mode)."""
-    if arch != "kimi_linear":
+    if arch not in ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} is not supported yet; use one of {ARCHITECTURES}")
+    if arch == "qwen3_next":
+        from transformers import Qwen3NextForCausalLM
+
+        torch.manual_seed(seed)
+        model = Qwen3NextForCausalLM(qwen3_next_config(preset, vocab_size)).float().eval()
+        model.save_pretrained(out)
+        return model
     from transformers import KimiLinearForCausalLM
 
     torch.manual_seed(seed)

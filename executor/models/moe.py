@@ -26,13 +26,17 @@ class MoEStatistics:
     prob_mass: dict = field(default_factory=dict)
     z_sum: dict = field(default_factory=dict)
 
-    def add(self, layer: int, weight_R, router_logits_RE, topk_index_Rk) -> None:
+    def add(self, layer: int, weight_R, router_logits_RE, topk_index_Rk, probs_RE=None) -> None:
+        """Record one layer's routing of R rows. `probs_RE` are the router's routing
+        probabilities for the load-balancing term; default: normalised sigmoid
+        scores (Kimi Linear's router). A softmax router passes its softmax."""
         weight = weight_R.to(router_logits_RE.dtype)
-        scores = router_logits_RE.sigmoid()
-        probs = scores / scores.sum(dim=-1, keepdim=True)
+        if probs_RE is None:
+            scores = router_logits_RE.sigmoid()
+            probs_RE = scores / scores.sum(dim=-1, keepdim=True)
         hits = torch.zeros_like(router_logits_RE, dtype=torch.float64).scatter_(1, topk_index_Rk, 1.0)
         load = (hits * weight_R[:, None].to(torch.float64)).sum(0).detach()
-        mass = (probs * weight[:, None]).sum(0)
+        mass = (probs_RE.to(weight.dtype) * weight[:, None]).sum(0)
         z = (weight * torch.logsumexp(router_logits_RE, dim=-1).square()).sum()
         self.load[layer] = self.load.get(layer, 0) + load
         self.prob_mass[layer] = self.prob_mass.get(layer, 0) + mass

@@ -13,6 +13,7 @@ from harts.schema.errors import HartsError
 
 RUNNERS = {
     "kimi_linear": ("harts.executor.models.kimi_linear", "KimiLinearRunner"),
+    "qwen3_next": ("harts.executor.models.qwen3_next", "Qwen3NextRunner"),
 }
 
 

@@ -1,0 +1,151 @@
+"""Qwen3-Next over compact rows: the Hugging Face model's own modules, our layout.
+
+Legend: R rows, D hidden size, H value heads (linear) or query heads (full),
+HK key heads, Hkv key/value heads, K/V head dims, E experts, k top-k.
+
+The runner owns no weights: it calls the loaded `Qwen3NextForCausalLM`'s
+modules (projections, norms, gates, rotary embedding, router, experts, shared
+expert) on [R, D] row tensors and replaces only the three operations whose
+input is not row-local:
+
+* Gated DeltaNet's short convolution reads the true ancestor window of each
+  row (`conv_context` / `short_conv`);
+* Gated DeltaNet's chunkwise core (scalar gate, grouped q/k heads) runs the
+  plan's rounds (packed sequences, replay, differentiable boundary-state
+  handoff), exactly as the Kimi runner's `linear_rounds`;
+* gated full attention reads exactly each row's ancestors' keys and values
+  (`ancestor_attention`, grouped kv heads), after partial RoPE at each row's
+  original position `layout.row_position`.
+
+Everything else (embedding, RMSNorms, in_proj_qkvz / in_proj_ba and their
+head split, g and beta, gated RMSNorm, out_proj, q/k norms, output gate, dense
+MLP, router, experts, shared expert and its sigmoid gate, final norm) is
+row-local, so running it once per compact row is exactly what each trajectory
+would compute for that position.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from harts.executor.layout import ExecLayout
+from harts.executor.models.kimi_linear import KimiLinearRunner
+from harts.executor.models.moe import MoEStatistics
+from harts.executor.ops.ancestor_attention import ancestor_attention
+from harts.executor.ops.short_conv import conv_context, short_conv
+
+
+class Qwen3NextRunner:
+    """Forward of a `Qwen3NextForCausalLM` over an `ExecLayout`'s rows."""
+
+    def __init__(self, model, chunk_size: int = 64, attention_block_tokens: int = 1024, recompute: bool = False):
+        self.model = model
+        self.config = model.config
+        self.chunk_size = chunk_size
+        self.attention_block_tokens = attention_block_tokens
+        # Full-layer activation recomputation, as in the Kimi runner: each decoder
+        # layer keeps only its input and re-runs the same rows when backward needs it.
+        self.recompute = recompute
+        self._recording = True
+
+    # The plan's rounds, replay and boundary-state handoff are model-agnostic: the same
+    # driver as Kimi's (q/k l2-normalised in the kernel, as both models call their core).
+    linear_rounds = KimiLinearRunner.linear_rounds
+
+    @property
+    def top_k(self) -> int:
+        return int(self.config.num_experts_per_tok)
+
+    def hidden_states(self, layout: ExecLayout, stats: MoEStatistics | None = None) -> torch.Tensor:
+        """Final hidden states [R, D] (after the last norm), one per row."""
+        base = self.model.model
+        context = (conv_context(layout.row_parent, self.config.linear_conv_kernel_dim)
+                   if "linear_attention" in self.config.layer_types else None)
+        h_RD = base.embed_tokens(layout.row_token)
+        rotary = None
+        if "full_attention" in self.config.layer_types:
+            # The model's own rotary module at each row's original position: [R, rotary_dim] each.
+            cos, sin = base.rotary_emb(h_RD, layout.row_position[None].to(h_RD.device))
+            rotary = (cos[0], sin[0])
+        if stats is not None:
+            stats.tokens = stats.tokens + layout.row_weight.sum()
+        self._recording = True
+        for index, layer in enumerate(base.layers[: self.config.num_hidden_layers]):
+            if self.recompute and torch.is_grad_enabled():
+                h_RD = checkpoint(self.layer, index, layer, h_RD, layout, context, rotary, stats,
+                                  use_reentrant=False)
+            else:
+                h_RD = self.layer(index, layer, h_RD, layout, context, rotary, stats)
+        # Statistics are recorded by the forward pass only, never by a recomputation in backward.
+        self._recording = False
+        return base.norm(h_RD)
+
+    def layer(self, index: int, layer, h_RD, layout: ExecLayout, context, rotary, stats: MoEStatistics | None):
+        x_RD = layer.input_layernorm(h_RD)
+        if self.config.layer_types[index] == "linear_attention":
+            a_RD = self.gated_deltanet(layer.linear_attn, x_RD, layout, context)
+        else:
+            a_RD = self.gated_attention(layer.self_attn, x_RD, layout, rotary)
+        h_RD = h_RD + a_RD
+        x_RD = layer.post_attention_layernorm(h_RD)
+        if hasattr(layer.mlp, "experts"):
+            # A recomputation must save exactly what the forward saved, so it computes the
+            # statistics too, into a throwaway record.
+            record = stats if self._recording or stats is None else MoEStatistics()
+            m_RD = self.moe(layer.mlp, x_RD, layout, index, record)
+        else:
+            m_RD = layer.mlp(x_RD)
+        return h_RD + m_RD
+
+    def gated_deltanet(self, attn, x_RD, layout: ExecLayout, context) -> torch.Tensor:
+        R = x_RD.shape[0]
+        # The module's own head-interleaved split; it wants [batch, seq, C], so the rows are one batch.
+        q, k, v, z, b, a = attn.fix_query_key_value_ordering(attn.in_proj_qkvz(x_RD)[None], attn.in_proj_ba(x_RD)[None])
+        mixed_RC = torch.cat([t[0].reshape(R, -1) for t in (q, k, v)], dim=-1)
+        mixed_RC = short_conv(mixed_RC, attn.conv1d.weight, attn.conv1d.bias, context, activation=attn.activation)
+        q_RHK, k_RHK, v_RHV = mixed_RC.split([attn.key_dim, attn.key_dim, attn.value_dim], dim=-1)
+        q_RHK = q_RHK.reshape(R, -1, attn.head_k_dim)      # [R, HK, K]
+        k_RHK = k_RHK.reshape(R, -1, attn.head_k_dim)      # [R, HK, K]
+        v_RHV = v_RHV.reshape(R, -1, attn.head_v_dim)      # [R, H, V]
+        beta_RH = b[0].sigmoid()
+        g_RH = -attn.A_log.float().exp() * F.softplus(a[0].float() + attn.dt_bias)
+        # Grouped heads: the op repeats q/k per group (value head h reads key head h // (H / HK)),
+        # as the fallback's repeat_interleave does.
+        o_RHV = self.linear_rounds(q_RHK, k_RHK, v_RHV, g_RH, beta_RH, layout)
+        z_RHV = z[0]
+        out = attn.norm(o_RHV.reshape(-1, attn.head_v_dim), z_RHV.reshape(-1, attn.head_v_dim))
+        return attn.out_proj(out.reshape(R, -1))
+
+    def gated_attention(self, attn, x_RD, layout: ExecLayout, rotary) -> torch.Tensor:
+        from transformers.models.qwen3_next.modeling_qwen3_next import apply_rotary_pos_emb
+
+        R = x_RD.shape[0]
+        head_dim = attn.head_dim
+        q_RHD, gate_RHD = torch.chunk(attn.q_proj(x_RD).view(R, -1, head_dim * 2), 2, dim=-1)
+        gate_RC = gate_RHD.reshape(R, -1)
+        q_RHD = attn.q_norm(q_RHD.reshape(R, -1, head_dim))
+        k_RHD = attn.k_norm(attn.k_proj(x_RD).view(R, -1, head_dim))
+        v_RHD = attn.v_proj(x_RD).view(R, -1, head_dim)
+        cos_R_, sin_R_ = rotary
+        # Partial RoPE on the first rotary_dim channels; [R, 1, rotary_dim] broadcasts over heads.
+        q_RHD, k_RHD = apply_rotary_pos_emb(q_RHD, k_RHD, cos_R_, sin_R_, unsqueeze_dim=1)
+        o_RHD = ancestor_attention(q_RHD, k_RHD, v_RHD, layout.views, scale=attn.scaling,
+                                   block_tokens=self.attention_block_tokens)
+        o_RC = o_RHD.reshape(R, -1) * torch.sigmoid(gate_RC)
+        return attn.o_proj(o_RC)
+
+    def moe(self, mlp, x_RD, layout: ExecLayout, index: int, stats: MoEStatistics | None) -> torch.Tensor:
+        """Each row routed and computed once; occurrence counts weight the statistics only."""
+        shared_RD = mlp.shared_expert(x_RD)
+        router_logits_RE, topk_weights_Rk, topk_index_Rk = mlp.gate(x_RD)   # softmax top-k (norm_topk_prob)
+        routed_RD = mlp.experts(x_RD, topk_index_Rk, topk_weights_Rk)
+        if stats is not None:
+            record_softmax_router(stats, index, layout.row_weight, router_logits_RE, topk_index_Rk)
+        return routed_RD + torch.sigmoid(mlp.shared_expert_gate(x_RD)) * shared_RD
+
+
+def record_softmax_router(stats: MoEStatistics, layer: int, weight_R, router_logits_RE, topk_index_Rk) -> None:
+    """Record Qwen3-Next's routing: its router ranks experts by softmax(logits)."""
+    probs_RE = torch.softmax(router_logits_RE, dim=-1, dtype=torch.float).to(router_logits_RE.dtype)
+    stats.add(layer, weight_R, router_logits_RE, topk_index_Rk, probs_RE=probs_RE)
