@@ -12,7 +12,7 @@ import torch
 
 from harts.executor.layout import MODES
 from harts.executor.losses import LOSSES, LossConfig
-from harts.progress import terminal_progress
+from harts.progress import quiet_library_progress, terminal_progress
 from harts.schema.errors import HartsError
 from harts.schema.plan import atomic_write_bytes, read_plan
 
@@ -25,6 +25,7 @@ def load_model(model_dir: str, dtype: str = "float32"):
                          "(harts init-model writes one)")
     from transformers import AutoModelForCausalLM
 
+    quiet_library_progress()
     try:
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=getattr(torch, dtype))
     except (OSError, ValueError, KeyError) as err:
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if not primary:
         return 0
     original = int(plan.step["original_tokens"])
-    summary = {"mode": mode, "loss": result.loss, "moe_aux_loss": result.moe_aux_loss, "moe_z_loss": result.moe_z_loss,
+    summary = {"mode": mode, "loss": result.loss, "objective": result.objective, "moe_aux_loss": result.moe_aux_loss, "moe_z_loss": result.moe_z_loss,
                "original_tokens": original, "decoder_rows": result.rows, "seconds": result.seconds,
                "tokens_per_second": original / result.seconds if result.seconds else 0.0}
     if args.json:

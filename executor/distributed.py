@@ -58,11 +58,11 @@ def all_reduce_result(result, model) -> None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad)
     result.grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-    scalars = torch.tensor([result.loss, result.moe_aux_loss, result.moe_z_loss, float(result.rows)],
-                           dtype=torch.float64)
+    scalars = torch.tensor([result.loss, result.objective, result.moe_aux_loss, result.moe_z_loss,
+                            float(result.rows)], dtype=torch.float64)
     dist.all_reduce(scalars)
-    result.loss, result.moe_aux_loss, result.moe_z_loss = (float(x) for x in scalars[:3])
-    result.rows = int(scalars[3])
+    result.loss, result.objective, result.moe_aux_loss, result.moe_z_loss = (float(x) for x in scalars[:4])
+    result.rows = int(scalars[4])
     for layer in sorted(result.moe_load):
         load = torch.from_numpy(np.ascontiguousarray(result.moe_load[layer], dtype=np.float64))
         dist.all_reduce(load)

@@ -57,14 +57,18 @@ def policy_loss(logprobs_P: torch.Tensor, meta: PositionMeta, config: LossConfig
         if old is None or bool(torch.isnan(old[mask > 0]).any()):
             if config.kind == "ppo":
                 raise ValueError("loss 'ppo' needs old_logprobs for every trained position; "
-                                 "give them in trees.jsonl or use --loss grpo")
+                                 "fix: give old_logprobs in trees.jsonl, or use --loss grpo (on-policy)")
             old = lam.detach() if old is None else torch.where(torch.isnan(old), lam.detach(), old)
         ratio = torch.exp(lam - old.to(torch.float64))
         adv = meta.advantages.to(torch.float64)
         clipped = torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
         per_position = -torch.minimum(ratio * adv, clipped * adv)
-        if config.kl_coef and meta.ref_logprobs is not None:
+        if config.kl_coef:
+            if meta.ref_logprobs is None:
+                raise ValueError(f"--kl-coef {config.kl_coef} needs ref_logprobs, but the step has none; "
+                                 "fix: give ref_logprobs in trees.jsonl, or drop --kl-coef")
             ref = meta.ref_logprobs.to(torch.float64)
+            # Trajectories that gave no reference contribute no KL term (delta = 0).
             delta = torch.where(torch.isnan(ref), lam.detach(), ref) - lam
             per_position = per_position + config.kl_coef * (torch.exp(delta) - delta - 1.0)
     return (per_position * mask).sum() / denominator

@@ -26,7 +26,8 @@ from harts.schema.plan import Plan
 @dataclass
 class StepResult:
     logprobs: dict                     # str(id) -> float32[n], NaN at index 0
-    loss: float
+    loss: float                        # the policy loss over the step (token-mean reduction)
+    objective: float                   # what was differentiated: loss + MoE coefficients x their losses
     grads: dict                        # parameter name -> tensor (empty without backward)
     moe_load: dict                     # layer -> float64[E] occurrence-weighted expert loads
     moe_aux_loss: float
@@ -128,6 +129,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
         # Every parameter appears; one no row reached (an expert nobody was routed to) has a zero gradient.
         grads = {name: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
                  for name, p in model.named_parameters()}
-    return StepResult(logprobs=logprobs, loss=total_loss, grads=grads, moe_load=loads, moe_aux_loss=aux_total,
+    objective_total = total_loss + loss.moe_aux_coef * aux_total + loss.moe_z_coef * z_total
+    return StepResult(logprobs=logprobs, loss=total_loss, objective=objective_total, grads=grads, moe_load=loads, moe_aux_loss=aux_total,
                       moe_z_loss=z_total, seconds=time.perf_counter() - started, rows=rows,
                       microbatch_seconds=times)

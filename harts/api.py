@@ -30,13 +30,38 @@ from harts.schema.plan import Plan, read_plan, write_plan
 __all__ = ["compile_trajectories", "run", "read_plan", "write_plan", "Plan", "StepResult", "LossConfig"]
 
 
+def _per_token(values, lengths, name, dtype) -> list[np.ndarray]:
+    """One array per trajectory, each exactly as long as its tokens (one clear error otherwise)."""
+    if len(values) != len(lengths):
+        raise ValueError(f"{name}: {len(values)} entries for {len(lengths)} trajectories; fix: give one per trajectory")
+    arrays = [np.asarray(v, dtype=dtype) for v in values]
+    for i, (a, n) in enumerate(zip(arrays, lengths)):
+        if a.ndim != 1 or len(a) != n:
+            raise ValueError(f"trajectory {i}: {name} has shape {a.shape} but tokens has {n}; "
+                             f"fix: give one value per token")
+    return arrays
+
+
 def _flat(values, lengths, name) -> np.ndarray | None:
     if values is None:
         return None
-    arrays = [np.asarray(v, dtype=np.float32) for v in values]
-    if len(arrays) != len(lengths) or any(len(a) != n for a, n in zip(arrays, lengths)):
-        raise ValueError(f"{name} must hold one list per trajectory, each as long as its tokens")
-    return np.concatenate(arrays) if arrays else np.zeros(0, np.float32)
+    arrays = _per_token(values, lengths, name, np.float64)
+    flat = np.concatenate(arrays) if arrays else np.zeros(0)
+    if not np.all(np.isfinite(flat)) or np.any(np.abs(flat) > np.finfo(np.float32).max):
+        raise ValueError(f"{name} holds a NaN, an infinity or a value beyond float32; fix: give finite numbers")
+    return flat.astype(np.float32)
+
+
+def _check_tokens(tokens, vocab_size: int | None) -> None:
+    for i, t in enumerate(tokens):
+        a = np.asarray(t)
+        if a.ndim != 1 or len(a) < 2:
+            raise ValueError(f"trajectory {i}: tokens must be a list of at least 2 ids; fix: drop or extend it")
+        if a.dtype.kind not in "iu":
+            raise ValueError(f"trajectory {i}: tokens have dtype {a.dtype}; fix: give integer token ids")
+        if a.min() < 0 or (vocab_size is not None and a.max() >= vocab_size) or a.max() >= 2**31:
+            raise ValueError(f"trajectory {i}: token ids must lie in [0, {vocab_size or 2**31}); "
+                             f"got [{int(a.min())}, {int(a.max())}]; fix: use the model tokenizer's ids")
 
 
 def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | None = None,
@@ -44,14 +69,28 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
                          advantages: Sequence[float] | Sequence[Sequence[float]] | None = None,
                          old_logprobs: Sequence[Sequence[float]] | None = None,
                          ref_logprobs: Sequence[Sequence[float]] | None = None,
-                         dp: int = 1, capacity: int = 65536, chunk_size: int = 64) -> Plan:
-    """Compile trajectories held in memory (same alignment as trees.jsonl: index i belongs to tokens[i])."""
+                         dp: int = 1, capacity: int = 65536, chunk_size: int = 64,
+                         vocab_size: int | None = None) -> Plan:
+    """Compile trajectories held in memory (same alignment as trees.jsonl: index i belongs to tokens[i]).
+
+    Checks what the file reader checks, raising `ValueError` with a fix:
+    token ids are integers in [0, vocab_size), masks are 0/1 and every
+    per-token list is as long as its tokens, floats are finite.
+    """
+    _check_tokens(tokens, vocab_size)
     lengths = [len(t) for t in tokens]
-    if any(n < 2 for n in lengths):
-        raise ValueError("every trajectory needs at least 2 tokens")
-    if ids is not None and len(set(map(str, ids))) != len(lengths):
-        raise ValueError("ids must be unique (as strings) and one per trajectory")
+    if ids is not None and (len(ids) != len(lengths) or len(set(map(str, ids))) != len(lengths)):
+        raise ValueError("ids must be unique (as strings), one per trajectory; fix: give distinct ids")
+    if loss_masks is not None:
+        masks = _per_token(loss_masks, lengths, "loss_masks", np.float64)
+        if any(np.any((m != 0) & (m != 1)) for m in masks):
+            raise ValueError("loss_masks hold a value other than 0 and 1; fix: give 0/1 per token")
+    if advantages is not None and len(advantages) != len(lengths):
+        raise ValueError(f"advantages: {len(advantages)} entries for {len(lengths)} trajectories; "
+                         "fix: give one (scalar or per-token list) per trajectory")
     per_token_adv = advantages is not None and len(advantages) and np.ndim(advantages[0]) == 1
+    if advantages is not None and not per_token_adv:
+        _flat([[a] for a in advantages], [1] * len(lengths), "advantages")   # finite scalars
     batch = TrajectoryBatch.from_token_lists(tokens, ids=ids, loss_masks=loss_masks,
                                              advantages=None if per_token_adv else advantages)
     from dataclasses import replace
@@ -65,11 +104,17 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
             updates[f"has_{name}"] = np.ones(len(lengths), dtype=bool)
     if updates:
         batch = replace(batch, **updates)
-    return compile_batch(batch, CompileOptions(dp=dp, capacity=capacity, chunk_size=chunk_size)).plan
+    if max(lengths) > capacity:
+        raise ValueError(f"a trajectory has {max(lengths)} tokens, more than capacity {capacity}; "
+                         "fix: raise capacity or truncate it")
+    return compile_batch(batch, CompileOptions(dp=dp, capacity=capacity, chunk_size=chunk_size,
+                                               vocab_size=vocab_size)).plan
 
 
 def run(plan: Plan, model, *, loss: str | LossConfig = "nll", mode: str = "compact",
-        backward: bool = True) -> StepResult:
-    """Run the step on `model`; gradients accumulate into the parameters' `.grad` (zeroed first)."""
+        backward: bool = True, recompute: bool = False) -> StepResult:
+    """Run the step on `model`. The parameters' `.grad` are zeroed first and then hold the
+    gradient of the step's objective (as one backward over the whole step would leave them);
+    to accumulate over several plans, copy or sum `result.grads` between calls."""
     config = LossConfig(kind=loss) if isinstance(loss, str) else loss
-    return run_step(plan, model, mode=mode, loss=config, backward=backward)
+    return run_step(plan, model, mode=mode, loss=config, backward=backward, recompute=recompute)

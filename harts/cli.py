@@ -33,7 +33,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"harts: unknown subcommand '{name}'; fix: use one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    return module.main(rest)
+    try:
+        return module.main(rest)
+    except BrokenPipeError:
+        # `harts stats PLAN | head`: the reader left; that is not an error.
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -18,3 +18,15 @@ def terminal_progress(items, description: str):
     except ImportError:   # tqdm comes with transformers; without it, no bar
         return items
     return tqdm(items, desc=description, unit="mb", leave=False, file=sys.stderr)
+
+
+def quiet_library_progress() -> None:
+    """Silence transformers' and huggingface_hub's own bars where ours are silent (pipes, CI)."""
+    if wants_progress():
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from harts.progress import quiet_library_progress
+
 ARCHITECTURES = ("kimi_linear", "qwen3_next")
 PRESETS = ("tiny", "small")
 
@@ -101,6 +103,7 @@ def init_model(arch: str, preset: str, out: str | Path, *, vocab_size: int = 512
     """Build, initialise and save a model; returns it (float32, eval mode)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} is not supported yet; use one of {ARCHITECTURES}")
+    quiet_library_progress()
     if arch == "qwen3_next":
         from transformers import Qwen3NextForCausalLM
 

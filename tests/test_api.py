@@ -1,0 +1,36 @@
+"""`harts.api` rejects what the file reader rejects, with one clear error each.
+
+Run: `python -m pytest tests/test_api.py -q`.
+"""
+from __future__ import annotations
+
+import pytest
+
+import harts.api as api
+
+TOKENS = [[1, 2, 3], [1, 2, 4]]
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(tokens=[[1, -2, 3]]), "token ids must lie in"),
+    (dict(tokens=[[1, 2.5, 3]]), "integer token ids"),
+    (dict(tokens=[[1]]), "at least 2 ids"),
+    (dict(tokens=TOKENS, vocab_size=4), "token ids must lie in"),
+    (dict(tokens=TOKENS, loss_masks=[[1, 1], [1, 1, 1]]), "loss_masks has shape"),
+    (dict(tokens=TOKENS, loss_masks=[[1, 2, 1], [1, 1, 1]]), "other than 0 and 1"),
+    (dict(tokens=TOKENS, old_logprobs=[[0.0, float("nan"), 1.0], [0.0, 0.0, 0.0]]), "NaN"),
+    (dict(tokens=TOKENS, advantages=[1.0]), "advantages: 1 entries"),
+    (dict(tokens=TOKENS, ids=["a", "a"]), "unique"),
+    (dict(tokens=TOKENS, capacity=2), "more than capacity"),
+], ids=["negative", "float", "short", "vocab", "mask-length", "mask-value", "nan", "advantages", "ids", "capacity"])
+def test_bad_batches_are_value_errors_with_a_fix(kwargs, words):
+    tokens = kwargs.pop("tokens")
+    with pytest.raises(ValueError, match=words) as info:
+        api.compile_trajectories(tokens, **kwargs)
+    assert "fix:" in str(info.value)
+
+
+def test_good_batch_compiles():
+    plan = api.compile_trajectories(TOKENS, ids=["x", "y"], advantages=[[0.0, 1.0, 1.0], [0.0, -1.0, -1.0]],
+                                    old_logprobs=[[0.0, -1.0, -1.0]] * 2, vocab_size=8)
+    assert plan.step["ids"] == ["x", "y"] and plan.step["original_tokens"] == 6
