@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from harts.compiler.passes.partition_ffd import SHARD_UNITS
 from harts.compiler.pipeline import LEVELS, PLANNERS, CompileOptions, compile_batch
 from harts.progress import terminal_progress
 from harts.schema.errors import HartsError
@@ -29,7 +30,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk length B; must match the model backend (default 64)")
     p.add_argument("--planner", choices=PLANNERS, default="harts", help="harts: two-level planner (default); ffd: OR-Tools+FFD comparison")
     p.add_argument("--levels", choices=LEVELS, default="l1", help="l1: stop after L1 microbatches (default while L2 is not built); l1+l2: add sharing windows")
-    p.add_argument("--seed", type=int, default=0, help="seed for randomised search (default 0)")
+    p.add_argument("--ffd-time-budget", type=float, default=10.0, metavar="SECONDS",
+                   help="--planner ffd: CP-SAT search budget per DP replica, in CP-SAT deterministic seconds "
+                        "(reproducible; wall time is about 1-3x that); the paper's quality runs use 300 (default 10)")
+    p.add_argument("--ffd-first-feasible", action="store_true",
+                   help="--planner ffd: stop each replica's CP-SAT search at its first feasible solution "
+                        "(the paper's planning-time setting)")
+    p.add_argument("--ffd-shard", choices=SHARD_UNITS, default="subtree",
+                   help="--planner ffd: what first-fit decreasing balances over DP replicas by original tokens: "
+                        "whole trie subtrees of at most one replica's share (default; keeps a rollout's steps together) "
+                        "or single trajectories")
+    p.add_argument("--seed", type=int, default=0, help="seed for randomised search and the ffd planner's CP-SAT (default 0)")
     p.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= this (default: no check)")
     p.add_argument("--debug", action="store_true", help="verify the IR after every pass (slow at paper scale)")
     p.add_argument("--json", action="store_true", help="print the plan statistics as one JSON object on stdout")
@@ -40,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     options = CompileOptions(dp=args.dp, capacity=args.capacity, chunk_size=args.chunk_size, planner=args.planner,
-                             levels=args.levels, seed=args.seed, vocab_size=args.vocab_size, verify=args.debug)
+                             levels=args.levels, seed=args.seed, vocab_size=args.vocab_size, verify=args.debug,
+                             ffd_time_budget=args.ffd_time_budget, ffd_first_feasible=args.ffd_first_feasible,
+                             ffd_shard=args.ffd_shard)
     try:
         from harts.compiler.read_trees import read_trees
         t0 = time.perf_counter()

@@ -3,6 +3,11 @@
     build-trie -> partition-microbatches (L1) -> per microbatch:
         build-layout -> assign-rounds -> plan-replay -> lower
 
+With `--levels l1+l2`, place-windows (L2) runs after L1: it fixes the final
+consumers, their (replica, slot), the sharing windows and one producer per
+(window, replica); each producer is then laid out, scheduled and lowered like
+a microbatch, and every consumer records which of its rows a producer computes.
+
 With `CompileOptions.verify` every pass's result is checked by its `verify`
 function right after it runs (tests and `hartsc --debug`).
 """
@@ -18,9 +23,11 @@ from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.ir.trie import TrieIR
 from harts.compiler.passes.assign_rounds import RoundSchedule, assign_rounds, verify_rounds
 from harts.compiler.passes.build_trie import build_trie, verify_trie
-from harts.compiler.passes.lower_plan import lower_microbatch, lower_step
+from harts.compiler.passes.lower_plan import lower_cached_rows, lower_microbatch, lower_producer, lower_step
+from harts.compiler.passes.partition_ffd import SHARD_UNITS, partition_ffd
 from harts.compiler.passes.partition_microbatches import (L1Options, L1Partition, partition_microbatches,
                                                           verify_partition)
+from harts.compiler.passes.place_windows import L2Options, L2Placement, place_windows, verify_placement
 from harts.compiler.passes.plan_replay import ReplayPlan, plan_replay
 from harts.schema.errors import PassFailedError
 from harts.schema.plan import FORMAT, SCHEMA_VERSION, Plan
@@ -40,12 +47,16 @@ class CompileOptions:
     seed: int = 0              # seed of any randomised search (the current passes are deterministic)
     vocab_size: int | None = None  # reject tokens >= vocab_size when given
     verify: bool = False       # verify the IR after every pass
+    ffd_time_budget: float = 10.0   # --planner ffd: CP-SAT budget per replica, in deterministic seconds
+    ffd_first_feasible: bool = False  # --planner ffd: stop each replica's search at its first solution
+    ffd_shard: str = "subtree"      # --planner ffd: FFD shard unit, "subtree" (whole rollout subtrees) or "trajectory"
 
     def flags(self) -> dict:
         """The flags recorded in the plan header (everything that changes the plan)."""
         return {"dp": self.dp, "capacity": self.capacity, "chunk_size": self.chunk_size,
                 "planner": self.planner, "levels": self.levels, "seed": self.seed,
-                "vocab_size": self.vocab_size}
+                "vocab_size": self.vocab_size, "ffd_time_budget": self.ffd_time_budget,
+                "ffd_first_feasible": self.ffd_first_feasible, "ffd_shard": self.ffd_shard}
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +73,8 @@ class CompileResult:
     partition: L1Partition
     microbatches: list[MicrobatchIR]
     pass_seconds: dict[str, float] = field(default_factory=dict)
+    placement: L2Placement | None = None        # L2's result (`--levels l1+l2`)
+    producers: list[MicrobatchIR] = field(default_factory=list)  # in plan order (window, then replica)
 
     @property
     def planning_seconds(self) -> float:
@@ -84,7 +97,10 @@ class CompileResult:
             f"plan-replay: {replay} replay tokens, {sum(len(m.replay.export_row) for m in mb)} exported states "
             f"({secs.get('plan-replay', 0):.3f}s)",
             f"lower: {sum(m.layout.num_rows for m in mb)} compact rows ({secs.get('lower', 0):.3f}s)",
-        ]
+        ] + ([] if self.placement is None else [
+            f"place-windows: {self.placement.candidate}; {self.placement.num_windows} windows, "
+            f"{self.placement.decoder_tokens} decoder tokens ({int(self.placement.producer_tokens.sum())} in "
+            f"{len(self.producers)} producers), key={self.placement.key} ({secs.get('place-windows', 0):.3f}s)"])
 
 
 def member_lcps(trie: TrieIR, members: np.ndarray) -> np.ndarray:
@@ -106,10 +122,17 @@ def check_options(options: CompileOptions) -> None:
         raise PassFailedError("options", f"unknown planner '{options.planner}'", f"use one of {', '.join(PLANNERS)}")
     if options.levels not in LEVELS:
         raise PassFailedError("options", f"unknown levels '{options.levels}'", f"use one of {', '.join(LEVELS)}")
-    if options.planner == "ffd" or options.levels == "l1+l2":
-        raise PassFailedError("options", f"planner '{options.planner}' with levels '{options.levels}' is not "
-                              "implemented yet (L2 windows and the FFD planner arrive with issue #4)",
-                              "use --planner harts --levels l1")
+    if options.levels == "l1+l2" and options.planner == "ffd":
+        raise PassFailedError("options", "planner 'ffd' with levels 'l1+l2' is not implemented: the OR-Tools+FFD "
+                              "comparison planner has no sharing windows",
+                              "use --planner harts --levels l1+l2, or --planner ffd --levels l1")
+    if options.planner == "ffd":
+        if not (options.ffd_time_budget > 0 and np.isfinite(options.ffd_time_budget)):
+            raise PassFailedError("options", f"--ffd-time-budget must be a positive number of seconds, "
+                                  f"got {options.ffd_time_budget}", "pass e.g. --ffd-time-budget 10")
+        if options.ffd_shard not in SHARD_UNITS:
+            raise PassFailedError("options", f"unknown --ffd-shard '{options.ffd_shard}'",
+                                  f"use one of {', '.join(SHARD_UNITS)}")
     for name in ("dp", "capacity", "chunk_size"):
         if getattr(options, name) < 1:
             raise PassFailedError("options", f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}",
@@ -130,18 +153,52 @@ def compile_batch(batch: TrajectoryBatch, options: CompileOptions, progress=None
     trie = timed("build-trie", build_trie, batch)
     if options.verify:
         verify_trie(trie, batch)
-    partition = timed("partition-microbatches", partition_microbatches, trie.lengths, trie.lcp,
-                      capacity=options.capacity, dp=options.dp, options=L1Options())
+    if options.planner == "ffd":
+        partition = timed("partition-microbatches", partition_ffd, trie.lengths, trie.lcp,
+                          capacity=options.capacity, dp=options.dp, time_budget_s=options.ffd_time_budget,
+                          seed=options.seed, first_feasible=options.ffd_first_feasible, shard=options.ffd_shard)
+    else:
+        partition = timed("partition-microbatches", partition_microbatches, trie.lengths, trie.lcp,
+                          capacity=options.capacity, dp=options.dp, options=L1Options())
     if options.verify:
         verify_partition(trie.lengths, trie.lcp, partition, options.capacity, options.dp)
+
+    placement = None
+    if options.levels == "l1+l2":
+        placement = timed("place-windows", place_windows, trie, partition, capacity=options.capacity,
+                          dp=options.dp, options=L2Options(seed=options.seed))
+        if options.verify:
+            verify_placement(trie.lengths, trie.lcp, placement, options.capacity, options.dp)
+    members_of = placement.members if placement is not None else partition.members
+    replica_of = placement.replica if placement is not None else partition.replica
+    slot_of = placement.slot if placement is not None else partition.slot
+
+    producers: list[MicrobatchIR] = []
+    producer_records: list[dict] = []
+    producer_of_cell: dict[int, int] = {}
+    if placement is not None:
+        D = options.dp
+        for cell, (positions, lengths) in enumerate(zip(placement.producer_positions, placement.producer_lengths)):
+            if not len(positions):
+                continue
+            layout = timed("build-layout", build_producer_layout, batch, trie, positions, lengths)
+            schedule = timed("assign-rounds", assign_rounds, layout, options.chunk_size)
+            replay = timed("plan-replay", plan_replay, layout, schedule)
+            if options.verify:
+                verify_rounds(layout, schedule)
+            producer_of_cell[cell] = len(producers)
+            producer_records.append(timed("lower", lower_producer, layout, schedule, replay, replica=cell % D,
+                                          window=cell // D, prefix_trajectory=trie.order[positions],
+                                          prefix_length=lengths))
+            producers.append(MicrobatchIR(layout, schedule, replay))
 
     microbatches: list[MicrobatchIR] = []
     records: list[dict] = []
     # Memory order of microbatches: by slot, then replica, as the executor runs them.
-    run_order = np.lexsort((partition.replica, partition.slot))
+    run_order = np.lexsort((replica_of, slot_of))
     ordered = run_order.tolist()
     for k in (progress(ordered, "lowering microbatches") if progress else ordered):
-        members = partition.members[k]
+        members = members_of[k]
         layout = timed("build-layout", build_layout, batch.token_offsets, batch.tokens,
                        trie.order[members], member_lcps(trie, members))
         schedule = timed("assign-rounds", assign_rounds, layout, options.chunk_size)
@@ -149,12 +206,46 @@ def compile_batch(batch: TrajectoryBatch, options: CompileOptions, progress=None
         if options.verify:
             verify_layout(layout, batch.token_offsets, batch.tokens)
             verify_rounds(layout, schedule)
-        records.append(timed("lower", lower_microbatch, layout, schedule, replay,
-                             replica=int(partition.replica[k]), slot=int(partition.slot[k])))
+        record = timed("lower", lower_microbatch, layout, schedule, replay,
+                       replica=int(replica_of[k]), slot=int(slot_of[k]))
+        if placement is not None:
+            window = int(placement.window[k])
+            cell = window * options.dp + int(replica_of[k])
+            source = producer_of_cell.get(cell)
+            producer = producers[source] if source is not None else None
+            entries = placement.producer_positions[cell]
+            # The prefix serving a member: the last producer prefix at or before it in sorted order.
+            serving = np.maximum(np.searchsorted(entries, members, side="right") - 1, 0)
+            record["window"] = window
+            record["row_cached_by"] = timed(
+                "lower", lower_cached_rows, layout, replay, placement.cached_prefix[k],
+                producer.layout if producer else None, producer.replay if producer else None, serving)
+        records.append(record)
         microbatches.append(MicrobatchIR(layout, schedule, replay))
 
     header = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "flags": options.flags(),
               "compiler": COMPILER_NAME}
-    plan = Plan(header=header, step=lower_step(batch, trie), microbatches=records)
+    step = lower_step(batch, trie)
+    if placement is not None:
+        step["l1_compact_tokens"] = int(partition.work.sum())
+    plan = Plan(header=header, step=step, microbatches=records,
+                producers=producer_records if placement is not None else None)
     return CompileResult(plan=plan, trie=trie, partition=partition, microbatches=microbatches,
-                         pass_seconds=seconds)
+                         pass_seconds=seconds, placement=placement, producers=producers)
+
+
+def build_producer_layout(batch: TrajectoryBatch, trie: TrieIR, positions: np.ndarray,
+                          lengths: np.ndarray) -> CompactLayout:
+    """The compact layout of a producer: the given prefixes of the trajectories at sorted `positions`.
+
+    The prefix-truncated token arrays are views: offsets [start, start + length)
+    per prefix into the step's token buffer, so nothing per-token is copied.
+    Consecutive prefixes share min(LCP, both lengths) positions.
+    """
+    start = batch.token_offsets[trie.order[positions]]
+    offsets = np.empty(2 * len(positions), dtype=np.int64)
+    offsets[0::2] = start
+    offsets[1::2] = start + lengths
+    shared = member_lcps(trie, positions)
+    shared[1:] = np.minimum(shared[1:], np.minimum(lengths[:-1], lengths[1:]))
+    return build_layout(offsets, batch.tokens, np.arange(0, 2 * len(positions), 2, dtype=np.int64), shared)
