@@ -5,7 +5,7 @@ File layout::
     b"HARTSPLN"                         8 bytes, magic
     uint32 little-endian                length of the header
     msgpack header                      {"format", "schema_version", "flags", "compiler"}
-    zstd frame (with checksum)          msgpack body {"step", "microbatches", "summary"}
+    zstd frame (with checksum)          msgpack body {"step", "microbatches", ["producers",] "summary"}
 
 The header sits outside the compressed body so that a reader can reject a
 wrong format or version before decompressing anything. numpy arrays are stored
@@ -21,7 +21,9 @@ step
     ``token_offsets`` int64[N+1], ``loss_mask`` uint8[S], ``advantages``
     float32[S], ``old_logprobs`` / ``ref_logprobs`` float32[S] or None,
     ``has_old_logprobs`` / ``has_ref_logprobs`` bool[N],
-    ``original_tokens``, ``trie_unique_tokens``.
+    ``original_tokens``, ``trie_unique_tokens``; with ``--levels l1+l2`` also
+    ``l1_compact_tokens`` (L1's complete-layout total, the decoder work
+    without windows).
 microbatches[i]
     ``replica``, ``slot``, ``num_rounds``;
     ``row_token`` int32[C], ``row_position`` int32[C], ``row_parent`` int32[C]
@@ -39,6 +41,25 @@ microbatches[i]
     ``segment_row_start`` int64[V+1], ``segment_parent`` int64[V] (-1 for a
     root), ``segment_level`` int64[V]: the fork-free segments in memory order,
     for node-wise execution.
+    Only with ``--levels l1+l2`` (the microbatches are then the consumers):
+    ``window`` (int, the sharing window of the microbatch's slot; windows are
+    ranges of consecutive slots, the same on every replica) and
+    ``row_cached_by`` int32[C]: for each compact row, the row (memory order)
+    of the producer of (this window, this replica) that computes it, or -1 if
+    the consumer computes it. A cached row's producer row has the same token
+    and position, its parent is the producer row of the consumer row's
+    parent, and a cached row's parent is cached (cached rows are
+    prefix-closed). Consumers keep their complete layouts for the LM head and
+    the loss; only rows with -1 run through the decoder.
+producers[p] (only with ``--levels l1+l2``; absent otherwise)
+    one per (window, replica) whose producer computes anything, ordered by
+    window then replica: ``replica``, ``window``, ``num_rounds``,
+    ``row_token``, ``row_position``, ``row_parent``, the same
+    sequence/replay/round/export tables and segment tables as a microbatch,
+    for the producer's own rows, and ``prefix_trajectory`` int64[m] (file
+    index), ``prefix_length`` int64[m]: the trajectory prefixes it computes,
+    deduplicated into its rows. A producer runs the decoder only (no LM head,
+    no loss); every row it computes is used by at least two consumers.
 summary
     the deterministic statistics of `harts stats` (timings excluded).
 """
@@ -70,6 +91,7 @@ class Plan:
     step: dict
     microbatches: list
     summary: dict = field(default_factory=dict)
+    producers: list | None = None   # window producers (`--levels l1+l2` only)
 
     @property
     def flags(self) -> dict:
@@ -99,8 +121,11 @@ def _decode(obj):
 
 def encode_plan(plan: Plan) -> bytes:
     header = msgpack.packb(plan.header, default=_encode, use_bin_type=True)
-    body = msgpack.packb({"step": plan.step, "microbatches": plan.microbatches, "summary": plan.summary},
-                         default=_encode, use_bin_type=True)
+    body = {"step": plan.step, "microbatches": plan.microbatches}
+    if plan.producers is not None:   # absent for L1-only plans, whose bytes stay as before
+        body["producers"] = plan.producers
+    body["summary"] = plan.summary
+    body = msgpack.packb(body, default=_encode, use_bin_type=True)
     compressed = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True,
                                           write_content_size=True).compress(body)
     return MAGIC + struct.pack("<I", len(header)) + header + compressed
@@ -171,4 +196,5 @@ def read_plan(path: str | os.PathLike) -> Plan:
         raise PlanFormatError(f"{source}: plan body is corrupted ({err}); fix: recompile the plan with hartsc") from None
     if not isinstance(body, dict) or not {"step", "microbatches"} <= body.keys():
         raise PlanFormatError(f"{source}: plan body lacks 'step' or 'microbatches'; fix: recompile the plan with hartsc")
-    return Plan(header=header, step=body["step"], microbatches=body["microbatches"], summary=body.get("summary", {}))
+    return Plan(header=header, step=body["step"], microbatches=body["microbatches"], summary=body.get("summary", {}),
+                producers=body.get("producers"))

@@ -1,8 +1,17 @@
 """Step statistics computed from a plan (the numbers of `harts stats`).
 
 Everything here is derived from the plan's arrays, so the compiler, the tools
-and the executor report the same numbers. Legend: D replicas, J slots,
-r[d, j] the work (compact rows) of the consumer at replica d, slot j.
+and the executor report the same numbers. Legend: D replicas, J slots, H
+windows, r[d, j] the decoder work (rows the consumer at replica d, slot j runs
+through the decoder: all its compact rows without windows, its rows with
+`row_cached_by == -1` with them), p[d, h] the rows the producer of replica d,
+window h computes (0 without windows). Replay rows are never counted.
+
+Balance (Section 5.3): eta_sched = (sum r + sum p) / (D (sum_j max_d r[d, j]
++ sum_h max_d p[d, h])). `balance_p5` is the 5th percentile (linear
+interpolation) of mean/max over replicas of every slot and every window's
+producers (computations whose maximum is 0 are skipped); `step_total_balance`
+is mean/max over replicas of each replica's total r + p.
 """
 from __future__ import annotations
 
@@ -15,20 +24,55 @@ STATS_KEYS = ("trajectories", "original_tokens", "compact_tokens", "compression"
               "capacity", "chunk_size", "planning_seconds")
 
 
+def decoder_rows(mb: dict) -> int:
+    """Rows a consumer runs through the decoder: all of them, or those no producer computes."""
+    cached_by = mb.get("row_cached_by")
+    return len(mb["row_token"]) if cached_by is None else int(np.count_nonzero(np.asarray(cached_by) < 0))
+
+
 def slot_work(plan: Plan) -> np.ndarray:
-    """r[d, j]: compact rows of each consumer, zero where a replica has no microbatch at a slot."""
+    """r[d, j]: decoder rows of each consumer, zero where a replica has no microbatch at a slot."""
     dp = int(plan.flags["dp"])
     slots = 1 + max((int(mb["slot"]) for mb in plan.microbatches), default=-1)
     work = np.zeros((dp, slots), dtype=np.int64)
     for mb in plan.microbatches:
-        work[int(mb["replica"]), int(mb["slot"])] += len(mb["row_token"])
+        work[int(mb["replica"]), int(mb["slot"])] += decoder_rows(mb)
     return work
 
 
-def balance(work: np.ndarray) -> float:
-    """The paper's eta_sched without producers: sum of all work over D * sum of slot maxima."""
-    denominator = work.shape[0] * work.max(axis=0).sum() if work.size else 0
-    return float(work.sum() / denominator) if denominator else 1.0
+def window_count(plan: Plan) -> int:
+    return 1 + max((int(mb["window"]) for mb in plan.microbatches if "window" in mb), default=-1)
+
+
+def producer_work(plan: Plan) -> np.ndarray:
+    """p[d, h]: rows each window's producer computes on each replica (shape D x H; H = 0 without windows)."""
+    dp = int(plan.flags["dp"])
+    work = np.zeros((dp, window_count(plan)), dtype=np.int64)
+    for producer in plan.producers or ():
+        work[int(producer["replica"]), int(producer["window"])] += len(producer["row_token"])
+    return work
+
+
+def balance(work: np.ndarray, producers: np.ndarray | None = None) -> float:
+    """The paper's eta_sched: all work over D * (sum of slot maxima + sum of window-producer maxima)."""
+    producers = np.zeros((work.shape[0], 0), dtype=np.int64) if producers is None else producers
+    peak = (work.max(axis=0).sum() if work.size else 0) + (producers.max(axis=0).sum() if producers.size else 0)
+    denominator = work.shape[0] * peak
+    return float((work.sum() + producers.sum()) / denominator) if denominator else 1.0
+
+
+def balance_percentile(work: np.ndarray, producers: np.ndarray, q: float = 5.0) -> float:
+    """q-th percentile of mean/max over replicas of every slot and every window producer."""
+    columns = [c for c in (*work.T, *producers.T) if c.max() > 0]
+    if not columns:
+        return 1.0
+    return float(np.percentile([c.mean() / c.max() for c in columns], q))
+
+
+def step_total_balance(work: np.ndarray, producers: np.ndarray) -> float:
+    """Mean over max of each replica's total non-replay work in the step."""
+    totals = work.sum(axis=1) + producers.sum(axis=1)
+    return float(totals.mean() / totals.max()) if totals.size and totals.max() > 0 else 1.0
 
 
 def plan_statistics(plan: Plan, planning_seconds: float = 0.0) -> dict:
@@ -36,19 +80,22 @@ def plan_statistics(plan: Plan, planning_seconds: float = 0.0) -> dict:
     compact = sum(len(mb["row_token"]) for mb in plan.microbatches)
     original = int(plan.step["original_tokens"])
     work = slot_work(plan)
+    producers = producer_work(plan)
+    decoder = int(work.sum() + producers.sum())
+    l1_compact = int(plan.step.get("l1_compact_tokens", compact))
     return {
         "trajectories": int(plan.step["num_trajectories"]),
         "original_tokens": original,
         "compact_tokens": compact,
         "compression": original / compact if compact else 0.0,
-        # Without L2 windows every consumer runs its whole layout through the decoder.
-        "decoder_tokens": compact,
+        # Producer rows plus consumer rows no producer computes (= compact_tokens without windows).
+        "decoder_tokens": decoder,
         "replay_tokens": sum(len(mb["replay_rows"]) for mb in plan.microbatches),
         "microbatches": len(plan.microbatches),
         "dp": int(flags["dp"]),
         "slots": int(work.shape[1]),
-        "windows": 0,
-        "balance": balance(work),
+        "windows": int(producers.shape[1]),
+        "balance": balance(work, producers),
         "max_rounds": max((int(mb["num_rounds"]) for mb in plan.microbatches), default=0),
         "capacity": int(flags["capacity"]),
         "chunk_size": int(flags["chunk_size"]),
@@ -56,4 +103,9 @@ def plan_statistics(plan: Plan, planning_seconds: float = 0.0) -> dict:
         # Additions beyond the contract's keys: the trie's compression bound.
         "trie_unique_tokens": int(plan.step["trie_unique_tokens"]),
         "compression_bound": original / int(plan.step["trie_unique_tokens"]) if plan.step["trie_unique_tokens"] else 0.0,
+        # Additions for L2 windows (meaningful for L1 plans too: no windows, no reduction).
+        "compression_l2": original / decoder if decoder else 0.0,
+        "decoder_reduction_vs_l1": 1.0 - decoder / l1_compact if l1_compact else 0.0,
+        "balance_p5": balance_percentile(work, producers),
+        "step_total_balance": step_total_balance(work, producers),
     }

@@ -14,7 +14,16 @@ witness that a plan is legal:
   B rows, exactly the path rows between the anchor and its first row;
 * every non-zero start state is exported at a chunk boundary of its producer,
   by a sequence of an earlier round;
-* the node-wise tables tile the rows into parent chains below their parents.
+* the node-wise tables tile the rows into parent chains below their parents;
+* with L2 windows (plans that carry ``producers``): every microbatch names its
+  window; windows are ranges of consecutive slots shared by all replicas; at
+  most one producer per (replica, window), each passing the row, capacity,
+  sequence and segment checks above; every cached row (``row_cached_by``)
+  points into its own window's producer on its own replica, at a row with the
+  same token and position whose parent is the producer row of the consumer
+  row's parent; cached rows are prefix-closed (a cached row's parent is
+  cached) and map to distinct producer rows; every producer row is used by at
+  least two consumers.
 """
 from __future__ import annotations
 
@@ -33,8 +42,10 @@ def expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.concatenate([np.arange(s, s + n) for s, n in zip(starts.tolist(), lengths.tolist())])
 
 
-def fail(microbatch: int, invariant: str, detail: str):
-    raise VerificationError(invariant, f"microbatch {microbatch}: {detail}")
+def fail(microbatch, invariant: str, detail: str):
+    """`microbatch` is a microbatch index, or a label such as "producer 3"."""
+    where = microbatch if isinstance(microbatch, str) else f"microbatch {microbatch}"
+    raise VerificationError(invariant, f"{where}: {detail}")
 
 
 def check_rows(i: int, mb: dict, capacity: int) -> None:
@@ -186,6 +197,75 @@ def check_plan(plan: Plan, trees_tokens: np.ndarray | None = None, trees_offsets
         bad = int(np.flatnonzero(seen != 1)[0])
         raise VerificationError("every trajectory is in exactly one microbatch",
                                 f"trajectory {step['ids'][bad]!r} appears {int(seen[bad])} times")
+    if plan.producers is not None:
+        check_windows(plan, dp, capacity, chunk_size)
+
+
+def check_windows(plan: Plan, dp: int, capacity: int, chunk_size: int) -> None:
+    """L2: windows tile the slots, producers are legal, and every cached row is exactly its producer's row."""
+    microbatches = plan.microbatches
+    window_of_slot: dict[int, int] = {}
+    for i, mb in enumerate(microbatches):
+        if "window" not in mb or "row_cached_by" not in mb:
+            fail(i, "a consumer names its window and cached rows", "window or row_cached_by is missing")
+        if len(mb["row_cached_by"]) != len(mb["row_token"]):
+            fail(i, "row_cached_by has one entry per row", f"{len(mb['row_cached_by'])} entries, "
+                 f"{len(mb['row_token'])} rows")
+        slot, window = int(mb["slot"]), int(mb["window"])
+        if window_of_slot.setdefault(slot, window) != window:
+            fail(i, "all replicas share window boundaries", f"slot {slot} is in windows {window_of_slot[slot]} and {window}")
+    ordered = [window_of_slot[j] for j in sorted(window_of_slot)]
+    if ordered and (ordered[0] != 0 or any(b - a not in (0, 1) for a, b in zip(ordered, ordered[1:]))):
+        raise VerificationError("windows tile the slots", f"windows by slot are {ordered}")
+    windows = 1 + max(ordered, default=-1)
+
+    producer_at: dict[tuple[int, int], int] = {}
+    for p, producer in enumerate(plan.producers):
+        label = f"producer {p}"
+        key = (int(producer["replica"]), int(producer["window"]))
+        if not (0 <= key[0] < dp and 0 <= key[1] < windows):
+            fail(label, "a producer belongs to a replica and window", f"replica {key[0]}, window {key[1]}")
+        if key in producer_at:
+            fail(label, "one producer per (replica, window)", f"replica {key[0]}, window {key[1]} repeats")
+        producer_at[key] = p
+        check_rows(label, producer, capacity)
+        check_sequences(label, producer, chunk_size)
+        check_segments(label, producer)
+
+    users = [np.zeros(len(pr["row_token"]), dtype=np.int64) for pr in plan.producers]
+    for i, mb in enumerate(microbatches):
+        cached_by = np.asarray(mb["row_cached_by"], dtype=np.int64)
+        cached = cached_by >= 0
+        if not cached.any():
+            continue
+        p = producer_at.get((int(mb["replica"]), int(mb["window"])))
+        if p is None:
+            fail(i, "every cached row is produced in its window on its replica", "no producer there")
+        producer = plan.producers[p]
+        rows = len(producer["row_token"])
+        target = cached_by[cached]
+        if target.max() >= rows:
+            fail(i, "a cached row points at a producer row", f"row index {int(target.max())} >= {rows}")
+        if len(np.unique(target)) != len(target):
+            fail(i, "cached rows map to distinct producer rows", "two rows share a producer row")
+        if np.any(producer["row_token"][target] != mb["row_token"][cached]) or \
+                np.any(producer["row_position"][target] != mb["row_position"][cached]):
+            fail(i, "a cached row's producer row has its token and position", "token or position differs")
+        parent = np.asarray(mb["row_parent"], dtype=np.int64)[cached]
+        producer_parent = np.asarray(producer["row_parent"], dtype=np.int64)[target]
+        roots = parent < 0
+        if np.any(producer_parent[roots] != -1):
+            fail(i, "a cached row's producer parent is its parent's producer row", "a root maps below a parent")
+        inner = parent[~roots]
+        if np.any(cached_by[inner] < 0):
+            fail(i, "cached rows are prefix-closed", "a cached row's parent is computed by the consumer")
+        if np.any(producer_parent[~roots] != cached_by[inner]):
+            fail(i, "a cached row's producer parent is its parent's producer row", "parents disagree")
+        users[p][target] += 1
+    for p, count in enumerate(users):
+        if np.any(count < 2):
+            fail(f"producer {p}", "every producer row is used by at least two consumers",
+                 f"row {int(np.flatnonzero(count < 2)[0])} is used by {int(count.min())}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     except HartsError as err:
         print(f"harts check: {err}", file=sys.stderr)
         return err.exit_code
-    print(f"harts check: {args.plan}: ok ({len(plan.microbatches)} microbatches, "
+    producers = f"{len(plan.producers)} producers, " if plan.producers is not None else ""
+    print(f"harts check: {args.plan}: ok ({len(plan.microbatches)} microbatches, {producers}"
           f"{plan.step['num_trajectories']} trajectories)")
     return 0
 

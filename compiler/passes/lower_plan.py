@@ -6,6 +6,13 @@ Afterwards every index refers to memory order: row r of the lowered arrays is
 memory position r; parents, replay rows, export rows and member runs all use
 memory positions, and each member's runs expand to the row of every one of its
 positions 0..n-1 in order.
+
+With L2 windows (`--levels l1+l2`) it also lowers each producer (its rows,
+rounds, replay and exports, no members) and, per consumer, `row_cached_by`:
+for every compact row the producer row that computes it, or -1. A cached
+row's producer row holds the same token at the same position, and its parent
+is the producer row of the consumer row's parent, so consumers can read
+cached rows (and their ancestors) straight out of the producer.
 """
 from __future__ import annotations
 
@@ -105,6 +112,65 @@ def lower_microbatch(layout: CompactLayout, schedule: RoundSchedule, replay: Rep
         "run_length": run_length,
         **lower_segments(layout, replay),
     }
+
+
+# Keys of a microbatch record that a producer shares (it has no members, slot or multiplicities).
+PRODUCER_KEYS = ("num_rounds", "row_token", "row_position", "row_parent", "sequence_round", "sequence_row_start",
+                 "sequence_num_rows", "sequence_start_position", "sequence_replay_offsets", "replay_rows",
+                 "sequence_start_state", "round_offsets", "export_row", "export_sequence", "export_chunk",
+                 "segment_row_start", "segment_parent", "segment_level")
+
+
+def lower_producer(layout: CompactLayout, schedule: RoundSchedule, replay: ReplayPlan, *, replica: int, window: int,
+                   prefix_trajectory: np.ndarray, prefix_length: np.ndarray) -> dict:
+    """A producer's plan record: its rows in memory order, its rounds/replay/export and segment tables.
+
+    `prefix_trajectory` (file indices) and `prefix_length` name the prefixes it
+    computes, in the sorted order its layout was built from.
+    """
+    record = lower_microbatch(layout, schedule, replay, replica=replica, slot=-1)
+    lowered = {"replica": int(replica), "window": int(window)}
+    lowered.update({key: record[key] for key in PRODUCER_KEYS})
+    lowered["prefix_trajectory"] = np.asarray(prefix_trajectory, dtype=np.int64)
+    lowered["prefix_length"] = np.asarray(prefix_length, dtype=np.int64)
+    return lowered
+
+
+def path_rows(layout: CompactLayout, member: int, lo: int, hi: int) -> np.ndarray:
+    """Creation-order rows of one member's positions lo..hi-1 (its path runs cover depths 0.. in order)."""
+    first, last = layout.run_offsets[member], layout.run_offsets[member + 1]
+    starts = layout.run_row_start[first:last]
+    lengths = layout.run_length[first:last]
+    depth = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    begin = np.maximum(depth, lo)
+    end = np.minimum(depth + lengths, hi)
+    keep = end > begin
+    return expand_runs(starts[keep] + begin[keep] - depth[keep], end[keep] - begin[keep])
+
+
+def lower_cached_rows(layout: CompactLayout, replay: ReplayPlan, cached_prefix: np.ndarray,
+                      producer: CompactLayout | None, producer_replay: ReplayPlan | None,
+                      producer_member: np.ndarray) -> np.ndarray:
+    """int32[C]: for each consumer row (memory order), the producer row (memory order) computing it, else -1.
+
+    Member i's own rows (created at depths [member_lcp[i], len)) are cached at
+    depths below `cached_prefix[i]`; `producer_member[i]` is the producer
+    prefix whose path holds those positions. Rows shared with an earlier
+    member were mapped through that member (members agree on shared rows).
+    """
+    out = np.full(layout.num_rows, -1, dtype=np.int32)
+    if producer is None:
+        return out
+    own_start = np.concatenate([[0], np.cumsum(layout.lengths - layout.member_lcp)[:-1]])
+    consumer_rows, producer_rows = [], []
+    for i in np.flatnonzero(cached_prefix > layout.member_lcp).tolist():
+        lo, hi = int(layout.member_lcp[i]), int(cached_prefix[i])
+        consumer_rows.append(np.arange(own_start[i], own_start[i] + hi - lo))
+        producer_rows.append(path_rows(producer, int(producer_member[i]), lo, hi))
+    if consumer_rows:
+        rows = np.concatenate(consumer_rows)
+        out[replay.exec_of_row[rows]] = producer_replay.exec_of_row[np.concatenate(producer_rows)]
+    return out
 
 
 def lower_step(batch: TrajectoryBatch, trie: TrieIR) -> dict:

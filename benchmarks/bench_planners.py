@@ -1,0 +1,135 @@
+"""Compare the planners on paper-scale steps: the shape of the paper's Tables 4 and 5.
+
+Usage:
+    python benchmarks/bench_planners.py [--kinds stepwise,treestep] [--dp 2,4,8] [--capacity 65536]
+                                        [--preset paper|small] [--ffd-budget SECONDS] [--no-ffd]
+
+For each generated workload (`harts.tools.gen.preset(preset, kind)`, built in
+memory) and each DP degree D, compiles the step with L1 alone, with L1+L2
+(`--levels l1+l2`), and with the OR-Tools+FFD comparison planner when this
+HARTS has it (`--planner ffd`, stopped at its first feasible solution as in
+the paper's planning-time runs unless `--ffd-budget` is given), and prints one
+row per planner:
+
+* compression: original tokens / decoder tokens (Table 4's compression; for
+  L1 and FFD the decoder runs every compact row);
+* decoder: decoder tokens (producer rows + consumer rows no producer
+  computes), and its reduction relative to L1;
+* balance: eta_sched with producers (Section 5.3), in tokens;
+* P5: 5th percentile of per-slot and per-window-producer mean/max balance;
+* step-total: mean/max of the replicas' total non-replay work;
+* slots, windows, planning seconds (L1/FFD partition, L2 placement, layouts,
+  rounds, replay and lowering; not reading, not the trie).
+
+Then, for D = 8, whether the issue's targets hold: L1+L2 decoder work at
+least 25% below L1, balance >= 97%, P5 >= 90%, L1+L2 planning under 1.5 s.
+The decoder target is also compared with what any plan could reach: every
+unique trie row runs at least once, so the reduction can never exceed
+1 - (unique trie tokens) / (L1 compact tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+from harts.compiler.ir.trajectories import TrajectoryBatch
+from harts.compiler.pipeline import CompileOptions, compile_batch
+from harts.schema.errors import HartsError
+from harts.schema.summary import plan_statistics
+from harts.tools import gen
+
+TARGET_REDUCTION, TARGET_BALANCE, TARGET_P5, TARGET_SECONDS = 0.25, 0.97, 0.90, 1.5
+
+
+def build_batch(preset: str, kind: str) -> TrajectoryBatch:
+    records = list(gen.generate(gen.preset(preset, kind)))
+    return TrajectoryBatch.from_token_lists([r["tokens"] for r in records], ids=[r["id"] for r in records])
+
+
+def planning_seconds(result) -> float:
+    return sum(seconds for name, seconds in result.pass_seconds.items() if name != "build-trie")
+
+
+def ffd_options(base: CompileOptions, budget: float | None) -> CompileOptions | None:
+    """CompileOptions for --planner ffd, or None when this HARTS has no FFD planner."""
+    fields = {f.name for f in dataclasses.fields(CompileOptions)}
+    extra = {}
+    if budget is None and "ffd_first_feasible" in fields:
+        extra["ffd_first_feasible"] = True
+    elif budget is not None and "ffd_time_budget" in fields:
+        extra["ffd_time_budget"] = budget
+    return dataclasses.replace(base, planner="ffd", **extra)
+
+
+def run(batch: TrajectoryBatch, options: CompileOptions) -> dict | None:
+    try:
+        t0 = time.perf_counter()
+        result = compile_batch(batch, options)
+        wall = time.perf_counter() - t0
+    except HartsError as err:
+        if "not implemented" in str(err) or "unknown planner" in str(err):
+            return None
+        raise
+    stats = plan_statistics(result.plan, planning_seconds(result))
+    stats["l1_compact"] = int(result.partition.work.sum())
+    stats["wall_seconds"] = wall
+    return stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kinds", default="stepwise,treestep", help="comma-separated gen kinds (default both)")
+    parser.add_argument("--dp", default="2,4,8", help="comma-separated DP degrees (default 2,4,8)")
+    parser.add_argument("--capacity", type=int, default=65536, help="microbatch capacity T (default 65536)")
+    parser.add_argument("--chunk-size", type=int, default=64, help="chunk size B (default 64)")
+    parser.add_argument("--preset", choices=gen.PRESETS, default="paper", help="workload size (default paper)")
+    parser.add_argument("--ffd-budget", type=float, default=None,
+                        help="run FFD's CP-SAT search with this budget per replica instead of first-feasible")
+    parser.add_argument("--no-ffd", action="store_true", help="skip the FFD comparison planner")
+    args = parser.parse_args()
+
+    header = (f"{'workload':<9} {'D':>2} {'planner':<7} {'compr':>7} {'decoder':>10} {'vs L1':>7} {'balance':>8} "
+              f"{'P5':>7} {'step-tot':>8} {'slots':>5} {'win':>4} {'plan s':>7}")
+    print(header)
+    print("-" * len(header))
+    verdicts = []
+    for kind in args.kinds.split(","):
+        batch = build_batch(args.preset, kind)
+        for dp in (int(d) for d in args.dp.split(",")):
+            base = CompileOptions(dp=dp, capacity=args.capacity, chunk_size=args.chunk_size)
+            rows = {"L1": run(batch, base), "L1+L2": run(batch, dataclasses.replace(base, levels="l1+l2"))}
+            if not args.no_ffd:
+                rows["FFD"] = run(batch, ffd_options(base, args.ffd_budget))
+            l1_decoder = rows["L1"]["decoder_tokens"]
+            for name, s in rows.items():
+                if s is None:
+                    print(f"{kind:<9} {dp:>2} {name:<7} {'n/a':>7}")
+                    continue
+                reduction = 1 - s["decoder_tokens"] / l1_decoder
+                print(f"{kind:<9} {dp:>2} {name:<7} {s['original_tokens'] / s['decoder_tokens']:>6.3f}x "
+                      f"{s['decoder_tokens']:>10,} {reduction:>6.1%} {s['balance']:>8.2%} {s['balance_p5']:>7.2%} "
+                      f"{s['step_total_balance']:>8.2%} {s['slots']:>5} {s['windows']:>4} "
+                      f"{s['planning_seconds']:>7.3f}")
+            if dp == 8:
+                l2 = rows["L1+L2"]
+                bound = 1 - l2["trie_unique_tokens"] / l1_decoder
+                reduction = 1 - l2["decoder_tokens"] / l1_decoder
+                verdicts += [
+                    (kind, f"L1+L2 decoder work >= {TARGET_REDUCTION:.0%} below L1",
+                     reduction >= TARGET_REDUCTION,
+                     f"{reduction:.1%} (no plan can exceed {bound:.1%}: the trie's unique rows run at least once)"),
+                    (kind, f"balance >= {TARGET_BALANCE:.0%}", l2["balance"] >= TARGET_BALANCE, f"{l2['balance']:.2%}"),
+                    (kind, f"balance P5 >= {TARGET_P5:.0%}", l2["balance_p5"] >= TARGET_P5, f"{l2['balance_p5']:.2%}"),
+                    (kind, f"L1+L2 planning < {TARGET_SECONDS} s", l2["planning_seconds"] < TARGET_SECONDS,
+                     f"{l2['planning_seconds']:.3f} s"),
+                ]
+    if verdicts:
+        print()
+        print("targets at D = 8:")
+        for kind, target, met, value in verdicts:
+            print(f"  {kind:<9} {target:<40} {'met' if met else 'MISSED':<7} {value}")
+
+
+if __name__ == "__main__":
+    main()

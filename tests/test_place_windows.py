@@ -1,0 +1,277 @@
+"""L2 placement (`--levels l1+l2`): sharing windows, producers and cached rows.
+
+Run: `python -m pytest tests/test_place_windows.py -q` (about half a minute on
+two cores). The property tests compile random forests with every pass
+verified and check each plan with the independent `harts check`; the small
+cases pin down what a producer computes, capacity edges, determinism, and
+that both verifiers name the invariant a broken placement or plan violates.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harts.compiler.ir.trajectories import TrajectoryBatch
+from harts.compiler.passes.partition_microbatches import partition_microbatches
+from harts.compiler.passes.place_windows import L2Options, place_windows, verify_placement
+from harts.compiler.pipeline import CompileOptions, compile_batch
+from harts.schema.errors import PassFailedError, VerificationError
+from harts.schema.plan import encode_plan, read_plan, write_plan
+from harts.schema.summary import plan_statistics
+from harts.tools.check import check_plan
+
+
+@st.composite
+def forests(draw):
+    """Trajectories branching off earlier ones: forks anywhere, duplicates, strict prefixes, long shared stems."""
+    stem = draw(st.lists(st.integers(0, 3), min_size=0, max_size=25))
+    lists = [stem + draw(st.lists(st.integers(0, 3), min_size=max(0, 2 - len(stem)), max_size=20))]
+    for _ in range(draw(st.integers(1, 16))):
+        base = lists[draw(st.integers(0, len(lists) - 1))]
+        cut = draw(st.integers(0, len(base)))
+        tail = draw(st.lists(st.integers(0, 3), min_size=max(0, 2 - cut), max_size=20))
+        lists.append(base[:cut] + tail)
+    return lists
+
+
+def compile_l2(lists, **flags):
+    batch = TrajectoryBatch.from_token_lists(lists)
+    options = CompileOptions(levels="l1+l2", verify=True, **flags)
+    return batch, compile_batch(batch, options)
+
+
+def cached_rows(mb) -> int:
+    return int(np.count_nonzero(mb["row_cached_by"] >= 0))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(forests(), st.integers(1, 6), st.integers(1, 3), st.integers(0, 30))
+def test_compiled_l2_plans_pass_every_invariant(lists, chunk_size, dp, extra_capacity):
+    """verify_placement (inside verify=True) and harts check accept every plan; L2 never adds decoder work."""
+    dp = min(dp, len(lists))
+    capacity = max(len(t) for t in lists) + extra_capacity
+    try:
+        batch, result = compile_l2(lists, dp=dp, capacity=capacity, chunk_size=chunk_size)
+    except PassFailedError as err:
+        # As for L1 alone: the only legal refusal is that no multiple of dp microbatches exists.
+        assert f"into a multiple of {dp} non-empty microbatches" in str(err)
+        return
+    check_plan(result.plan, batch.tokens, batch.token_offsets)
+    stats = plan_statistics(result.plan)
+    l1_compact = int(result.partition.work.sum())
+    assert stats["decoder_tokens"] <= l1_compact, "decoder tokens never exceed L1's compact tokens"
+    assert stats["decoder_tokens"] >= result.trie.unique_tokens, "every unique trie row is computed at least once"
+    assert stats["decoder_tokens"] == result.placement.decoder_tokens
+    assert stats["microbatches"] == len(result.partition.members), "L2 keeps L1's consumer count"
+    assert stats["windows"] == result.placement.num_windows >= 1
+    assert 0.0 < stats["balance"] <= 1.0 and 0.0 < stats["balance_p5"] <= 1.0
+
+
+def test_two_consumers_in_one_window_share_a_long_prefix_computed_once():
+    """Golden case: the 20-token prefix fits no consumer twice; the producer computes it once for both."""
+    prefix = [5] * 20
+    lists = [prefix + [1] * 10, prefix + [2] * 10]
+    batch, result = compile_l2(lists, dp=1, capacity=35, chunk_size=4)
+    check_plan(result.plan, batch.tokens, batch.token_offsets)
+    plan = result.plan
+    assert [mb["window"] for mb in plan.microbatches] == [0, 0]
+    assert len(plan.producers) == 1
+    producer = plan.producers[0]
+    assert (producer["replica"], producer["window"]) == (0, 0)
+    assert producer["row_token"].tolist() == prefix
+    assert producer["row_position"].tolist() == list(range(20))
+    for mb in plan.microbatches:
+        assert len(mb["row_token"]) == 30, "consumers keep their complete layouts"
+        cached_by = mb["row_cached_by"]
+        assert sorted(cached_by[cached_by >= 0].tolist()) == list(range(20))
+        assert np.all(mb["row_position"][cached_by >= 0] < 20) and np.all(mb["row_position"][cached_by < 0] >= 20)
+    stats = plan_statistics(plan)
+    assert stats["compact_tokens"] == 60 and stats["decoder_tokens"] == 40
+    assert stats["decoder_reduction_vs_l1"] == pytest.approx(1 - 40 / 60)
+    assert stats["compression_l2"] == pytest.approx(60 / 40)
+    placement = result.placement
+    assert [c.tolist() for c in placement.cached_prefix] == [[20], [20]]
+    assert placement.producer_lengths[0].tolist() == [20]
+
+
+def test_a_prefix_only_one_consumer_uses_is_not_cached():
+    """Two trajectories in one consumer share a prefix, but no other consumer does: nothing is produced."""
+    lists = [[1] * 8 + [2], [1] * 8 + [3], [7, 7, 7, 7]]
+    batch, result = compile_l2(lists, dp=1, capacity=10, chunk_size=4)
+    check_plan(result.plan, batch.tokens, batch.token_offsets)
+    assert result.plan.producers == []
+    assert all(cached_rows(mb) == 0 for mb in result.plan.microbatches)
+
+
+def test_capacity_equal_to_the_longest_trajectory():
+    """Every consumer holds one full trajectory; the shared stem is produced once per (window, replica)."""
+    stem = [4] * 12
+    lists = [stem + [k] * 4 for k in range(6)]
+    batch, result = compile_l2(lists, dp=2, capacity=16, chunk_size=4)
+    check_plan(result.plan, batch.tokens, batch.token_offsets)
+    stats = plan_statistics(result.plan)
+    assert stats["microbatches"] == 6
+    assert all(len(mb["row_token"]) <= 16 for mb in result.plan.microbatches)
+    assert all(len(p["row_token"]) <= 16 for p in result.plan.producers)
+    # Without windows the stem runs 6 times; with them once per producer.
+    assert stats["decoder_tokens"] == 6 * 4 + 12 * len(result.plan.producers)
+
+
+def test_producers_never_exceed_the_capacity():
+    """Three groups each share a 30-token stem; one window's producer would need 90 rows > T = 40."""
+    lists = []
+    for group in range(3):
+        stem = [10 + group] + [group] * 29
+        lists += [stem + [1] * 10, stem + [2] * 10]
+    batch, result = compile_l2(lists, dp=1, capacity=40, chunk_size=8)
+    check_plan(result.plan, batch.tokens, batch.token_offsets)
+    assert all(len(p["row_token"]) <= 40 for p in result.plan.producers)
+    assert plan_statistics(result.plan)["decoder_tokens"] < int(result.partition.work.sum())
+
+
+def test_same_input_gives_identical_bytes_and_survives_the_file(tmp_path):
+    rng = np.random.default_rng(7)
+    stem = list(rng.integers(0, 4, 30))
+    lists = [stem[:int(rng.integers(0, 30))] + list(rng.integers(0, 4, int(rng.integers(2, 25)))) for _ in range(40)]
+    batch = TrajectoryBatch.from_token_lists(lists)
+    options = CompileOptions(dp=2, capacity=90, chunk_size=4, levels="l1+l2")
+    first, second = compile_batch(batch, options).plan, compile_batch(batch, options).plan
+    assert encode_plan(first) == encode_plan(second)
+    write_plan(first, tmp_path / "p.plan")
+    loaded = read_plan(tmp_path / "p.plan")
+    check_plan(loaded, batch.tokens, batch.token_offsets)
+    assert encode_plan(loaded) == encode_plan(first)
+    assert plan_statistics(loaded) == plan_statistics(first)
+
+
+def test_l1_plans_have_no_producers_and_keep_their_bytes():
+    lists = [[1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 2, 3, 4, 5, 6], [7, 7]]
+    batch = TrajectoryBatch.from_token_lists(lists)
+    plan = compile_batch(batch, CompileOptions(chunk_size=2, capacity=16)).plan
+    assert plan.producers is None and all("window" not in mb for mb in plan.microbatches)
+    stats = plan_statistics(plan)
+    assert stats["windows"] == 0 and stats["decoder_tokens"] == stats["compact_tokens"]
+    assert stats["decoder_reduction_vs_l1"] == 0.0
+
+
+def test_ffd_with_windows_is_refused_clearly():
+    batch = TrajectoryBatch.from_token_lists([[1, 2], [1, 3]])
+    with pytest.raises(PassFailedError, match="no sharing windows"):
+        compile_batch(batch, CompileOptions(planner="ffd", levels="l1+l2"))
+
+
+# --------------------------------------------------------------------------- verifiers name the invariant
+
+
+class _Trie:
+    def __init__(self, lengths, lcp):
+        self.lengths, self.lcp = lengths, lcp
+
+
+def _sorted_forest():
+    """Sorted lengths and LCPs of a small forest with a shared stem, and a placement of it on 2 replicas."""
+    stem = [3] * 10
+    lists = sorted([stem + [k, k, k] for k in range(4)] + [stem[:6] + [9, 9]] + [[8, 8, 8]])
+    lengths = np.array([len(t) for t in lists], dtype=np.int64)
+    lcp = np.zeros(len(lists), dtype=np.int64)
+    for i in range(1, len(lists)):
+        a, b = lists[i - 1], lists[i]
+        while lcp[i] < min(len(a), len(b)) and a[lcp[i]] == b[lcp[i]]:
+            lcp[i] += 1
+    partition = partition_microbatches(lengths, lcp, capacity=14, dp=2)
+    placement = place_windows(_Trie(lengths, lcp), partition, capacity=14, dp=2, options=L2Options())
+    verify_placement(lengths, lcp, placement, 14, 2)
+    return lengths, lcp, placement
+
+
+def _replace_member_array(placement, field, consumer, values):
+    arrays = list(getattr(placement, field))
+    arrays[consumer] = np.asarray(values, dtype=np.int64)
+    return dataclasses.replace(placement, **{field: tuple(arrays)})
+
+
+def test_verify_placement_names_each_broken_invariant():
+    lengths, lcp, placement = _sorted_forest()
+    assert any(len(p) for p in placement.producer_positions), "the fixture must produce something"
+    cached_consumer = next(k for k, c in enumerate(placement.cached_prefix) if c.max() > 0)
+    # Consumer 0 takes consumer 1's members: one trajectory twice, another nowhere.
+    dropped = _replace_member_array(placement, "members", 0, placement.members[1])
+    dropped = _replace_member_array(dropped, "cached_prefix", 0, placement.cached_prefix[1])
+    broken = {
+        "every trajectory is in exactly one consumer": dropped,
+        "every cached prefix is produced in its window on its replica": _replace_member_array(
+            placement, "cached_prefix", cached_consumer, lengths[placement.members[cached_consumer]]),
+        "consumers fill the replica x slot grid": dataclasses.replace(placement, slot=np.zeros_like(placement.slot)),
+        "windows tile the slots": dataclasses.replace(
+            placement, window_start=np.array([0, 0, len(placement.members) // 2])),
+        "producers fit the capacity": _grow_producer(placement, lengths),
+    }
+    for invariant, bad in broken.items():
+        with pytest.raises(VerificationError) as err:
+            verify_placement(lengths, lcp, bad, 14, 2)
+        assert err.value.invariant == invariant
+
+
+def _grow_producer(placement, lengths):
+    index = next(g for g, p in enumerate(placement.producer_positions) if len(p))
+    lengths_of = list(placement.producer_lengths)
+    positions = list(placement.producer_positions)
+    positions[index] = np.arange(len(lengths), dtype=np.int64)
+    lengths_of[index] = lengths.astype(np.int64)
+    return dataclasses.replace(placement, producer_positions=tuple(positions), producer_lengths=tuple(lengths_of))
+
+
+@pytest.fixture(scope="module")
+def windowed():
+    prefix = [5] * 20
+    lists = [prefix + [1] * 10, prefix + [2] * 10, prefix[:12] + [3] * 6]
+    return compile_l2(lists, dp=1, capacity=35, chunk_size=4)
+
+
+def _mutable(plan):
+    plan = copy.deepcopy(plan)
+    for record in [*plan.microbatches, *plan.producers]:
+        for key, value in record.items():
+            if isinstance(value, np.ndarray):
+                record[key] = value.copy()
+    return plan
+
+
+@pytest.mark.parametrize("breakage, invariant", [
+    ("wrong producer row", "a cached row's producer row has its token and position"),
+    ("uncached parent", "cached rows are prefix-closed"),
+    ("row used once", "every producer row is used by at least two consumers"),
+    ("no producer", "every cached row is produced in its window on its replica"),
+    ("windows start late", "windows tile the slots"),
+], ids=lambda v: v.replace(" ", "-") if isinstance(v, str) else v)
+def test_check_names_each_broken_window_invariant(windowed, breakage, invariant):
+    batch, result = windowed
+    check_plan(result.plan, batch.tokens, batch.token_offsets)
+    plan = _mutable(result.plan)
+    mb = next(m for m in plan.microbatches if cached_rows(m) >= 2)
+    cached = np.flatnonzero(mb["row_cached_by"] >= 0)
+    if breakage == "wrong producer row":
+        first, last = cached[0], cached[-1]
+        mb["row_cached_by"][first], mb["row_cached_by"][last] = mb["row_cached_by"][last], mb["row_cached_by"][first]
+    elif breakage == "uncached parent":
+        root = cached[mb["row_parent"][cached] < 0][0]
+        mb["row_cached_by"][root] = -1
+    elif breakage == "row used once":
+        for other in plan.microbatches:
+            if other is not mb:
+                deepest = np.flatnonzero(other["row_cached_by"] >= 0)
+                deepest = deepest[np.argmax(other["row_position"][deepest])]
+                other["row_cached_by"][deepest] = -1
+    elif breakage == "no producer":
+        plan = dataclasses.replace(plan, producers=[])
+    elif breakage == "windows start late":
+        for other in plan.microbatches:
+            other["window"] += 1
+    with pytest.raises(VerificationError) as err:
+        check_plan(plan, batch.tokens, batch.token_offsets)
+    assert invariant in err.value.invariant, err.value.invariant
