@@ -27,61 +27,26 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from harts.executor.layout import ExecLayout
-from harts.executor.models.kimi_linear import KimiLinearRunner
 from harts.executor.models.moe import MoEStatistics
+from harts.executor.models.runner import RowRunner
 from harts.executor.ops.ancestor_attention import ancestor_attention
-from harts.executor.ops.short_conv import conv_context, short_conv
+from harts.executor.ops.short_conv import short_conv
 
 
-class Qwen3NextRunner:
+class Qwen3NextRunner(RowRunner):
     """Forward of a `Qwen3NextForCausalLM` over an `ExecLayout`'s rows."""
 
-    def __init__(self, model, chunk_size: int = 64, attention_block_tokens: int = 1024, recompute: bool = False):
-        self.model = model
-        self.config = model.config
-        self.chunk_size = chunk_size
-        self.attention_block_tokens = attention_block_tokens
-        # Full-layer activation recomputation, as in the Kimi runner: each decoder
-        # layer keeps only its input and re-runs the same rows when backward needs it.
-        self.recompute = recompute
-        self._recording = True
-
-    # The plan's rounds, replay and boundary-state handoff are model-agnostic: the same
-    # driver as Kimi's (q/k l2-normalised in the kernel, as both models call their core).
-    linear_rounds = KimiLinearRunner.linear_rounds
-
-    @property
-    def top_k(self) -> int:
-        return int(self.config.num_experts_per_tok)
-
-    def hidden_states(self, layout: ExecLayout, stats: MoEStatistics | None = None) -> torch.Tensor:
-        """Final hidden states [R, D] (after the last norm), one per row."""
-        base = self.model.model
-        context = (conv_context(layout.row_parent, self.config.linear_conv_kernel_dim)
-                   if "linear_attention" in self.config.layer_types else None)
-        h_RD = base.embed_tokens(layout.row_token)
-        rotary = None
-        if "full_attention" in self.config.layer_types:
-            # The model's own rotary module at each row's original position: [R, rotary_dim] each.
-            cos, sin = base.rotary_emb(h_RD, layout.row_position[None].to(h_RD.device))
-            rotary = (cos[0], sin[0])
-        if stats is not None:
-            stats.tokens = stats.tokens + layout.row_weight.sum()
-        self._recording = True
-        for index, layer in enumerate(base.layers[: self.config.num_hidden_layers]):
-            if self.recompute and torch.is_grad_enabled():
-                h_RD = checkpoint(self.layer, index, layer, h_RD, layout, context, rotary, stats,
-                                  use_reentrant=False)
-            else:
-                h_RD = self.layer(index, layer, h_RD, layout, context, rotary, stats)
-        # Statistics are recorded by the forward pass only, never by a recomputation in backward.
-        self._recording = False
-        return base.norm(h_RD)
+    def layer_inputs(self, layout: ExecLayout, h_RD: torch.Tensor):
+        """The model's own rotary module at each row's original position: ([R, rotary_dim], [R, rotary_dim])."""
+        if "full_attention" not in self.config.layer_types:
+            return None
+        cos, sin = self.model.model.rotary_emb(h_RD, layout.row_position[None].to(h_RD.device))
+        return cos[0], sin[0]
 
     def layer(self, index: int, layer, h_RD, layout: ExecLayout, context, rotary, stats: MoEStatistics | None):
+        """One decoder layer on rows; `rotary` is `layer_inputs`' (cos, sin)."""
         x_RD = layer.input_layernorm(h_RD)
         if self.config.layer_types[index] == "linear_attention":
             a_RD = self.gated_deltanet(layer.linear_attn, x_RD, layout, context)
@@ -90,10 +55,7 @@ class Qwen3NextRunner:
         h_RD = h_RD + a_RD
         x_RD = layer.post_attention_layernorm(h_RD)
         if hasattr(layer.mlp, "experts"):
-            # A recomputation must save exactly what the forward saved, so it computes the
-            # statistics too, into a throwaway record.
-            record = stats if self._recording or stats is None else MoEStatistics()
-            m_RD = self.moe(layer.mlp, x_RD, layout, index, record)
+            m_RD = self.moe(layer.mlp, x_RD, layout, index, self.statistics_record(stats))
         else:
             m_RD = layer.mlp(x_RD)
         return h_RD + m_RD
