@@ -24,72 +24,14 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from harts.compiler.ir.trajectories import TrajectoryBatch
-from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.executor.losses import LossConfig
 from harts.executor.models.hf_reference import trajectory_logprobs
 from harts.executor.models.init_model import qwen3_next_config
 from harts.executor.models.registry import runner_for
 from harts.executor.runtime import run_step
 
-VOCAB = 256
-
-
-# The tree, plan and reference helpers are tests/test_executor.py's, repeated so that each
-# test file stands alone.
-def boundary_tree(rng) -> list[list[int]]:
-    """Forks at 64 (on a boundary), 65 (just after), 63 (just before), 130 (second chunk),
-    a chain of short segments at 100..103, a duplicate, strict prefixes and an unrelated tree."""
-    base = list(rng.integers(3, VOCAB, 170))
-    tail = lambda n: list(rng.integers(3, VOCAB, n))   # noqa: E731
-    return [
-        base[:170], base[:64] + tail(40), base[:65] + tail(20), base[:63] + tail(12), base[:130] + tail(9),
-        base[:100] + tail(5), base[:101] + tail(4), base[:102] + tail(6), base[:170],   # duplicate
-        base[:120], base[:30],                                                            # strict prefixes
-        tail(50),
-    ]
-
-
-def compile_lists(lists, chunk_size=64, dp=1, capacity=4096, advantages=None, old=None):
-    batch = TrajectoryBatch.from_token_lists(lists, advantages=advantages)
-    if old is not None:
-        from dataclasses import replace
-        batch = replace(batch, old_logprobs=old.astype(np.float32), has_old_logprobs=np.ones(len(lists), bool))
-    return compile_batch(batch, CompileOptions(chunk_size=chunk_size, dp=dp, capacity=capacity)).plan
-
-
-def hf_reference(model, lists):
-    model.zero_grad(set_to_none=True)
-    logprobs, total, count = [], 0.0, 0
-    for tokens in lists:
-        lp = trajectory_logprobs(model, tokens)
-        logprobs.append(lp.detach().numpy())
-        total = total - lp.sum()
-        count += len(tokens) - 1
-    (total / count).backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return logprobs, grads
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(floor))
-
-
-def gradient_floor(grads: dict) -> float:
-    """tests/test_executor.py's rule: a gradient that is zero in exact arithmetic holds float
-    noise, so errors are measured against at least 1e-4 of the largest gradient's norm."""
-    return 1e-4 * max(float(g.norm()) for g in grads.values())
-
-
-@st.composite
-def small_forests(draw):
-    lists = [draw(st.lists(st.integers(3, VOCAB - 1), min_size=2, max_size=40))]
-    for _ in range(draw(st.integers(1, 6))):
-        base = lists[draw(st.integers(0, len(lists) - 1))]
-        cut = draw(st.integers(0, len(base)))
-        lists.append(base[:cut] + draw(st.lists(st.integers(3, VOCAB - 1), min_size=max(0, 2 - cut), max_size=25)))
-    return lists
+from fidelity import (VOCAB, boundary_tree, compile_lists, gradient_floor, hf_reference, relative_error,
+                      small_forests)
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,6 @@ def brute_force_rounds(layout: CompactLayout, chunk_size: int) -> int:
 
     owner = [anchor_owner(u) for u in range(V)]
     full = frozenset(range(V))
-    best = {full: 0}
 
     def transitions(done: frozenset):
         choices = []   # per segment: options among "skip", "start", "cont"
