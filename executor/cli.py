@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from harts.executor.layout import MODES
-from harts.executor.losses import LOSSES, LossConfig
+from harts.executor.losses import LOSSES, REDUCTIONS, LossConfig
 from harts.progress import quiet_library_progress, terminal_progress
 from harts.schema.errors import HartsError
 from harts.schema.plan import atomic_write_bytes, read_plan
@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hand over the exact fork state instead of replaying from the chunk anchor (ablation; "
                         "runs the node-wise call tables)")
     p.add_argument("--loss", choices=LOSSES, default="nll", help="objective (default nll: token-mean NLL)")
+    p.add_argument("--reduction", choices=REDUCTIONS, default="token-mean",
+                   help="how per-position terms reduce over the step (default token-mean: divide by the step's "
+                        "trained positions; seq-mean-token-mean: mean over trajectories of their token means; "
+                        "seq-mean-token-sum: mean over trajectories of their token sums)")
     p.add_argument("--clip-low", type=float, default=0.2, help="grpo/ppo: ratio clipped below at 1 - this (default 0.2)")
     p.add_argument("--clip-high", type=float, default=0.2, help="grpo/ppo: ratio clipped above at 1 + this (default 0.2)")
     p.add_argument("--kl-coef", type=float, default=0.0, help="grpo/ppo: weight of the k3 KL to ref_logprobs (default 0)")
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         print("harts run: --grads-out needs the backward pass; fix: drop --forward-only", file=sys.stderr)
         return 2
     loss = LossConfig(kind=args.loss, clip_low=args.clip_low, clip_high=args.clip_high, kl_coef=args.kl_coef,
-                      moe_aux_coef=args.moe_aux_coef, moe_z_coef=args.moe_z_coef)
+                      moe_aux_coef=args.moe_aux_coef, moe_z_coef=args.moe_z_coef, reduction=args.reduction)
     from harts.executor import distributed
 
     primary = True
@@ -105,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             write_logprobs(args.logprobs_out, result.logprobs)
         if primary and args.grads_out:
             write_grads(args.grads_out, result.grads)
+        if selected is not None:
+            distributed.finish_data_parallel()
     except HartsError as err:
         print(f"harts run: {err}", file=sys.stderr)
         return err.exit_code

@@ -75,3 +75,11 @@ def all_reduce_result(result, model) -> None:
         dist.all_reduce(stacked)
         merged = torch.where(stacked[1] > 0, stacked[0], torch.full_like(stacked[0], float("nan")))
         result.logprobs[key] = merged.to(torch.float32).numpy()
+
+
+def finish_data_parallel() -> None:
+    """Wait for every rank, then tear the group down: a rank that exits with gloo's
+    threads still alive can abort at interpreter shutdown."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

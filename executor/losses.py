@@ -13,8 +13,15 @@ losses gives the step loss and sharing rows changes nothing.
   exp(ref - lambda) - (ref - lambda) - 1, where `ref_logprobs` are given.
 * `ppo`: the same surrogate; `old_logprobs` are required.
 
-All use the token-mean reduction: divide by the number of positions i >= 1 with
-loss_mask 1 over the whole step (contract section 3).
+Reductions (`reduction`, the same for every objective; weights are computed over
+the whole step, so they never depend on how trajectories fall into microbatches):
+
+* `token-mean` (default, contract section 3): divide by the number of
+  positions i >= 1 with loss_mask 1 over the whole step;
+* `seq-mean-token-mean`: each trajectory's masked token mean, averaged over
+  the trajectories that have a trained position (the original GRPO reduction);
+* `seq-mean-token-sum`: each trajectory's masked token sum, averaged over those
+  trajectories.
 """
 from __future__ import annotations
 
@@ -22,7 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+import numpy as np
+
 LOSSES = ("nll", "grpo", "ppo")
+REDUCTIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,28 +43,52 @@ class LossConfig:
     kl_coef: float = 0.0       # weight of the k3 KL estimate against ref_logprobs (0: off)
     moe_aux_coef: float = 0.0  # weight of the MoE load-balancing loss (0: reported only)
     moe_z_coef: float = 0.0    # weight of the router z-loss (0: reported only)
+    reduction: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+
+
+def position_weights(loss_mask: np.ndarray, token_offsets: np.ndarray, reduction: str) -> np.ndarray:
+    """Weight of every flat position of the step in the reduced loss (0 where not trained).
+
+    Position 0 of each trajectory is never a target. The weights sum to 1 for
+    the two mean-of-means reductions and for token-mean.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    trained = np.asarray(loss_mask, dtype=np.float64).copy()
+    starts = np.asarray(token_offsets[:-1], dtype=np.int64)
+    trained[starts] = 0.0
+    if reduction == "token-mean":
+        return trained / max(trained.sum(), 1.0)
+    lengths = np.diff(token_offsets)
+    per_trajectory = np.add.reduceat(trained, starts) if len(starts) else np.zeros(0)
+    active = max(int((per_trajectory > 0).sum()), 1)
+    if reduction == "seq-mean-token-sum":
+        return trained / active
+    scale = np.divide(1.0, per_trajectory * active, out=np.zeros_like(per_trajectory), where=per_trajectory > 0)
+    return trained * np.repeat(scale, lengths)
 
 
 @dataclass(frozen=True, slots=True)
 class PositionMeta:
     """Per-position inputs of the objective (tensors of length P, float64 where real)."""
 
-    mask: torch.Tensor
+    weight: torch.Tensor                # reduction weight per position (0: not trained)
     advantages: torch.Tensor
     old_logprobs: torch.Tensor | None   # NaN where a trajectory gave none
     ref_logprobs: torch.Tensor | None
 
 
-def policy_loss(logprobs_P: torch.Tensor, meta: PositionMeta, config: LossConfig, denominator: float) -> torch.Tensor:
+def policy_loss(logprobs_P: torch.Tensor, meta: PositionMeta, config: LossConfig) -> torch.Tensor:
+    """This microbatch's share of the step loss: sum over its positions of weight x term."""
     if config.kind not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {config.kind!r}")
     lam = logprobs_P.to(torch.float64)
-    mask = meta.mask.to(torch.float64)
+    weight = meta.weight.to(torch.float64)
     if config.kind == "nll":
         per_position = -lam
     else:
         old = meta.old_logprobs
-        if old is None or bool(torch.isnan(old[mask > 0]).any()):
+        if old is None or bool(torch.isnan(old[weight > 0]).any()):
             if config.kind == "ppo":
                 raise ValueError("loss 'ppo' needs old_logprobs for every trained position; "
                                  "fix: give old_logprobs in trees.jsonl, or use --loss grpo (on-policy)")
@@ -71,4 +105,4 @@ def policy_loss(logprobs_P: torch.Tensor, meta: PositionMeta, config: LossConfig
             # Trajectories that gave no reference contribute no KL term (delta = 0).
             delta = torch.where(torch.isnan(ref), lam.detach(), ref) - lam
             per_position = per_position + config.kl_coef * (torch.exp(delta) - delta - 1.0)
-    return (per_position * mask).sum() / denominator
+    return (per_position * weight).sum()

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from harts.executor.layout import MODES, build_layout, expanded_groups
-from harts.executor.losses import LossConfig, PositionMeta, policy_loss
+from harts.executor.losses import LossConfig, PositionMeta, policy_loss, position_weights
 from harts.executor.models.moe import MoEStatistics
 from harts.executor.models.registry import runner_for
 from harts.executor.ops.logprobs import position_logprobs
@@ -37,22 +37,14 @@ class StepResult:
     microbatch_seconds: list = field(default_factory=list)
 
 
-def step_denominator(plan: Plan) -> float:
-    """Positions i >= 1 with loss_mask 1 over the whole step (the token-mean denominator)."""
-    mask = np.asarray(plan.step["loss_mask"])
-    offsets = np.asarray(plan.step["token_offsets"])
-    total = int(mask.sum()) - int(mask[offsets[:-1]].sum())
-    return float(max(total, 1))
-
-
-def _meta(plan: Plan, flat: np.ndarray) -> PositionMeta:
+def _meta(plan: Plan, flat: np.ndarray, weights: np.ndarray) -> PositionMeta:
     step = plan.step
 
     def take(key):
         values = step.get(key)
         return None if values is None else torch.from_numpy(np.asarray(values, dtype=np.float64)[flat])
 
-    return PositionMeta(mask=torch.from_numpy(np.asarray(step["loss_mask"], dtype=np.float64)[flat]),
+    return PositionMeta(weight=torch.from_numpy(weights[flat]),
                         advantages=take("advantages"), old_logprobs=take("old_logprobs"),
                         ref_logprobs=take("ref_logprobs"))
 
@@ -86,7 +78,8 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     runner = runner_for(model, chunk_size=chunk_size, recompute=recompute)
     offsets = np.asarray(plan.step["token_offsets"], dtype=np.int64)
     flat_logprobs = np.full(int(offsets[-1]), np.nan, dtype=np.float32)
-    denominator = step_denominator(plan)
+    # Reduction weights over the whole step: identical whichever microbatch or rank a position runs on.
+    weights = position_weights(plan.step["loss_mask"], offsets, loss.reduction)
     top_k = runner.top_k
     total_loss, aux_total, z_total, rows = 0.0, 0.0, 0.0, 0
     loads: dict = {}
@@ -109,7 +102,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
         with torch.set_grad_enabled(backward):
             hidden = runner.hidden_states(layout, stats)
             lam = position_logprobs(hidden, model.lm_head.weight, layout.position_row, layout.position_label)
-            mb_loss = policy_loss(lam, _meta(plan, layout.position_flat), loss, denominator)
+            mb_loss = policy_loss(lam, _meta(plan, layout.position_flat, weights), loss)
             aux, z = stats.aux_loss(top_k), stats.z_loss()
             objective = mb_loss + loss.moe_aux_coef * aux + loss.moe_z_coef * z
         if backward:
