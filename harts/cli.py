@@ -5,7 +5,7 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "demo": ("harts.tools.demo", "generate, compile, check and summarise a small step end to end"),
+    "demo": ("harts.tools.demo", "generate, compile, check and run a small step on a tiny model, end to end"),
     "stats": ("harts.tools.stats", "summarise a plan (--json for one JSON object)"),
     "check": ("harts.tools.check", "verify every plan invariant (--trees to check tokens too)"),
     "run": ("harts.executor.cli", "run a plan on a Hugging Face model: log-probabilities, loss, gradients"),
@@ -18,7 +18,8 @@ SUBCOMMANDS = {
 
 def usage() -> str:
     lines = ["usage: harts SUBCOMMAND [ARGS...]", "", "subcommands:"]
-    lines += [f"  {name:<8} {help_text}" for name, (_, help_text) in SUBCOMMANDS.items()]
+    width = max(len(name) for name in SUBCOMMANDS)
+    lines += [f"  {name:<{width}}  {help_text}" for name, (_, help_text) in SUBCOMMANDS.items()]
     lines += ["", "Run `harts SUBCOMMAND --help` for its flags. The compiler is `hartsc`."]
     return "\n".join(lines)
 
