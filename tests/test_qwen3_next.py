@@ -30,8 +30,8 @@ from harts.executor.models.init_model import qwen3_next_config
 from harts.executor.models.registry import runner_for
 from harts.executor.runtime import run_step
 
-from fidelity import (VOCAB, boundary_tree, compile_lists, gradient_floor, hf_reference, relative_error,
-                      small_forests)
+from fidelity import (VOCAB, boundary_tree, check_expert_loads_count_every_occurrence, check_matches_hugging_face,
+                      check_modes_agree, compile_lists, gradient_floor, hf_reference, relative_error, small_forests)
 
 
 @pytest.fixture(scope="module")
@@ -69,55 +69,16 @@ def test_tiny_preset_has_the_structure_the_tests_rely_on(model):
 
 
 def test_compact_matches_the_hugging_face_model_run_per_trajectory(model):
-    lists = boundary_tree(np.random.default_rng(0))
-    plan = compile_lists(lists)
-    mb = plan.microbatches[0]
-    assert len(mb["replay_rows"]) > 0 and len(mb["export_row"]) > 0 and mb["num_rounds"] >= 2
-    result = run_step(plan, model, mode="compact")
-    want_logprobs, want_grads = hf_reference(model, lists)
-    for i, want in enumerate(want_logprobs):
-        got = result.logprobs[str(i)]
-        assert np.isnan(got[0])
-        assert np.max(np.abs(got[1:] - want)) <= 1e-5, f"trajectory {i}"
-    # Every parameter the reference reaches, we reach; and only those.
-    assert {n for n, g in result.grads.items() if g.abs().sum() > 0} == {
-        n for n, g in want_grads.items() if g.abs().sum() > 0}
-    floor = gradient_floor(want_grads)
-    worst = max((relative_error(result.grads[n], g, floor), n) for n, g in want_grads.items())
-    assert worst[0] <= 1e-4, worst
+    check_matches_hugging_face(model)
 
 
 @pytest.mark.parametrize("mode", ["expanded", "nodewise"])
 def test_other_modes_agree_with_compact_on_every_objective(model, mode):
-    rng = np.random.default_rng(1)
-    lists = boundary_tree(rng)
-    old = rng.normal(-3.0, 0.5, sum(len(t) for t in lists))
-    plan = compile_lists(lists, advantages=rng.normal(size=len(lists)), old=old)
-    for loss in (LossConfig("nll", moe_aux_coef=0.01, moe_z_coef=0.001), LossConfig("ppo", kl_coef=0.0),
-                 LossConfig("grpo")):
-        compact = run_step(plan, model, mode="compact", loss=loss)
-        other = run_step(plan, model, mode=mode, loss=loss, pack_expanded=False)
-        assert abs(compact.loss - other.loss) <= 1e-5 * max(1.0, abs(compact.loss))
-        assert abs(compact.moe_aux_loss - other.moe_aux_loss) <= 1e-6
-        assert abs(compact.moe_z_loss - other.moe_z_loss) <= 1e-5
-        for layer, load in compact.moe_load.items():
-            np.testing.assert_allclose(load, other.moe_load[layer], rtol=0, atol=0)
-        floor = gradient_floor(compact.grads)
-        for name, grad in compact.grads.items():
-            assert relative_error(other.grads[name], grad, floor) <= 1e-4, (loss.kind, name)
-        for key, lp in compact.logprobs.items():
-            assert np.nanmax(np.abs(lp - other.logprobs[key])) <= 1e-5
+    check_modes_agree(model, mode)
 
 
 def test_expert_loads_count_every_occurrence(model):
-    lists = boundary_tree(np.random.default_rng(2))
-    plan = compile_lists(lists)
-    result = run_step(plan, model, mode="compact", backward=False)
-    top_k = model.config.num_experts_per_tok
-    sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
-    assert sorted(result.moe_load) == sparse
-    for load in result.moe_load.values():
-        assert load.sum() == top_k * sum(len(t) for t in lists)
+    check_expert_loads_count_every_occurrence(model)
 
 
 def test_router_statistics_use_the_softmax_router(model):
