@@ -11,7 +11,8 @@ from harts.compiler.passes.partition_ffd import SHARD_UNITS
 from harts.compiler.pipeline import LEVELS, PLANNERS, CompileOptions, compile_batch
 from harts.progress import terminal_progress
 from harts.schema.errors import HartsError
-from harts.schema.plan import atomic_write_bytes, encode_plan
+from harts.schema.atomic import atomic_write_bytes
+from harts.schema.plan import encode_plan
 from harts.schema.summary import plan_statistics
 
 

@@ -14,7 +14,8 @@ from harts.executor.layout import MODES
 from harts.executor.losses import LOSSES, REDUCTIONS, LossConfig
 from harts.progress import quiet_library_progress, terminal_progress
 from harts.schema.errors import HartsError
-from harts.schema.plan import atomic_write_bytes, read_plan
+from harts.schema.atomic import atomic_write_bytes
+from harts.schema.plan import read_plan
 
 
 def load_model(model_dir: str, dtype: str = "float32"):

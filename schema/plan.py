@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import os
 import struct
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,6 +74,7 @@ import msgpack
 import numpy as np
 import zstandard
 
+from harts.schema.atomic import atomic_write_bytes
 from harts.schema.errors import PlanFormatError
 
 FORMAT = "harts-plan"
@@ -134,27 +134,6 @@ def encode_plan(plan: Plan) -> bytes:
 def write_plan(plan: Plan, path: str | os.PathLike) -> None:
     """Write atomically: the file appears only when complete."""
     atomic_write_bytes(Path(path), encode_plan(plan))
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        # mkstemp creates 0600; the output should get the permissions any new file gets.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def read_header(data: bytes, source: str) -> tuple[dict, int]:

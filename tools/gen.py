@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import secrets
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -39,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+
+from harts.schema.atomic import atomic_output
 
 KINDS = ("stepwise", "treestep")
 SHARED_STEPS = ("once", "per-branch")
@@ -524,34 +525,22 @@ def write_jsonl(records: Iterable[dict], path: str | os.PathLike) -> WriteResult
     arrays in records are written as JSON lists.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     option = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
-    # Not mkstemp: its 0600 mode would survive the rename; this honours the umask.
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     count = num_tokens = 0
-    try:
-        with os.fdopen(fd, "wb") as raw:
-            if path.suffix == ".zst":
-                import zstandard
+    with atomic_output(path) as raw:
+        if path.suffix == ".zst":
+            import zstandard
 
-                out = zstandard.ZstdCompressor(level=3).stream_writer(raw, closefd=False)
-            else:
-                out = raw
-            for record in records:
-                out.write(orjson.dumps(record, option=option))
-                count += 1
-                num_tokens += len(record["tokens"])
-            if out is not raw:
-                out.close()
-        size = os.path.getsize(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+            out = zstandard.ZstdCompressor(level=3).stream_writer(raw, closefd=False)
+        else:
+            out = raw
+        for record in records:
+            out.write(orjson.dumps(record, option=option))
+            count += 1
+            num_tokens += len(record["tokens"])
+        if out is not raw:
+            out.close()
+        size = raw.tell()
     return WriteResult(path=str(path), trajectories=count, tokens=num_tokens, bytes=size)
 
 

@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from harts.schema.errors import HartsError
-from harts.schema.plan import Plan, atomic_write_bytes, read_plan
+from harts.schema.atomic import atomic_write_bytes
+from harts.schema.plan import Plan, read_plan
 from harts.schema.summary import plan_statistics
 from harts.tools.stats import read_planning_seconds
 
