@@ -83,7 +83,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harts.compiler.passes.partition_microbatches import L1Partition, natural_partition
+from harts.compiler.passes.partition_microbatches import L1Partition, check_step_fits, natural_partition
 from harts.compiler.prefix_cost import PrefixCostModel
 from harts.schema.errors import PassFailedError
 
@@ -395,15 +395,7 @@ def partition_ffd(lengths, lcp, *, capacity: int, dp: int, time_budget_s: float,
         raise ValueError(f"time_budget_s must be a positive number of seconds, got {time_budget_s}")
     if shard not in SHARD_UNITS:
         raise ValueError(f"shard must be one of {SHARD_UNITS}, got {shard!r}")
-    if n and model.lengths.max() > capacity:
-        worst = int(np.argmax(model.lengths))
-        raise PassFailedError(PASS_NAME, f"trajectory at sorted position {worst} has {model.lengths[worst]} tokens, "
-                                         f"more than the microbatch capacity {capacity}",
-                              f"raise the capacity to at least {model.lengths[worst]} or drop/truncate that trajectory")
-    if n < dp:
-        raise PassFailedError(PASS_NAME, f"{n} trajectories cannot give each of {dp} DP replicas a "
-                                         "non-empty microbatch",
-                              f"lower dp to at most {n} or add trajectories to the step")
+    check_step_fits(model, capacity, dp, PASS_NAME)
 
     replica_of = shard_replicas(model, dp, shard)
     load = np.bincount(replica_of, weights=model.lengths, minlength=dp).astype(np.int64)

@@ -603,14 +603,20 @@ def _check_arguments(model: PrefixCostModel, capacity: int, dp: int, options: L1
         raise ValueError(f"capacity and dp must be >= 1, got capacity={capacity}, dp={dp}")
     if options.exact_max_cells < 0 or options.max_sampled_counts < 1 or options.count_span < 0:
         raise ValueError(f"L1Options out of range, got {options}")
+    check_step_fits(model, capacity, dp, PASS_NAME)
+
+
+def check_step_fits(model: PrefixCostModel, capacity: int, dp: int, pass_name: str) -> None:
+    """Refuse, with a fix, a step no partitioner can place: a trajectory longer than the
+    capacity, or fewer trajectories than DP replicas (each needs a non-empty microbatch)."""
     n = model.num_trajectories
     if n and model.lengths.max() > capacity:
         worst = int(np.argmax(model.lengths))
-        raise PassFailedError(PASS_NAME, f"trajectory at sorted position {worst} has {model.lengths[worst]} tokens, "
+        raise PassFailedError(pass_name, f"trajectory at sorted position {worst} has {model.lengths[worst]} tokens, "
                                          f"more than the microbatch capacity {capacity}",
                               f"raise the capacity to at least {model.lengths[worst]} or drop/truncate that trajectory")
     if n < dp:
-        raise PassFailedError(PASS_NAME, f"{n} trajectories cannot give each of {dp} DP replicas a non-empty microbatch",
+        raise PassFailedError(pass_name, f"{n} trajectories cannot give each of {dp} DP replicas a non-empty microbatch",
                               f"lower dp to at most {n} or add trajectories to the step")
 
 
