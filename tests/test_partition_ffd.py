@@ -28,45 +28,12 @@ from harts.schema.errors import PassFailedError
 from harts.schema.plan import encode_plan, read_plan
 from harts.tools.check import check_plan
 
+from prefix_inputs import lengths_and_lcp, token_batches, trie_nodes
+
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # --------------------------------------------------------------------------- inputs and references
-
-
-@st.composite
-def token_batches(draw, min_n: int = 1, max_n: int = 9, max_len: int = 7):
-    """Sorted token sequences rich in shared prefixes, strict prefixes and duplicates."""
-    sequences: list[list[int]] = []
-    for _ in range(draw(st.integers(min_n, max_n))):
-        kind = draw(st.sampled_from(["new", "prefix", "extend", "duplicate"])) if sequences else "new"
-        if kind == "new":
-            seq = draw(st.lists(st.integers(0, 2), min_size=1, max_size=max_len))
-        else:
-            base = sequences[draw(st.integers(0, len(sequences) - 1))]
-            if kind == "prefix":
-                seq = base[:draw(st.integers(1, len(base)))]
-            elif kind == "extend":
-                seq = base + draw(st.lists(st.integers(0, 2), min_size=1, max_size=3))
-            else:
-                seq = list(base)
-        sequences.append(seq)
-    return sorted(sequences)
-
-
-def lengths_and_lcp(sequences):
-    lengths = np.array([len(s) for s in sequences], dtype=np.int64)
-    lcp = np.zeros(len(sequences), dtype=np.int64)
-    for i in range(1, len(sequences)):
-        a, b = sequences[i - 1], sequences[i]
-        while lcp[i] < min(len(a), len(b)) and a[lcp[i]] == b[lcp[i]]:
-            lcp[i] += 1
-    return lengths, lcp
-
-
-def trie_nodes(sequences) -> int:
-    """C(M) by definition: distinct non-empty prefixes of the member sequences."""
-    return len({tuple(s[:k]) for s in sequences for k in range(1, len(s) + 1)})
 
 
 def set_partitions(items):
@@ -98,7 +65,7 @@ def random_step(seed: int, trees: int = 6, steps: int = 8, prompt: int = 40, tur
 
 
 @SETTINGS
-@given(token_batches(), st.data())
+@given(token_batches(max_n=9), st.data())
 def test_prefix_trie_weights_sum_to_the_exact_cost_of_every_member_set(sequences, data):
     """C(M) read off the replica trie (union of root paths) equals the distinct-prefix count of M."""
     lengths, lcp = lengths_and_lcp(sequences)
@@ -128,7 +95,7 @@ def test_cpsat_packing_matches_brute_force_over_all_set_partitions(sequences, ex
 
 
 @SETTINGS
-@given(token_batches(min_n=2), st.data())
+@given(token_batches(min_n=2, max_n=9), st.data())
 def test_least_lcp_cut_is_the_cheapest_two_way_split(sequences, data):
     lengths, lcp = lengths_and_lcp(sequences)
     model = PrefixCostModel.build(lengths, lcp)
@@ -190,7 +157,7 @@ def test_subtree_shards_are_subtrees_within_the_share_and_balanced_as_ffd(sequen
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(token_batches(), st.integers(1, 3), st.integers(0, 8), st.booleans(), st.sampled_from(SHARD_UNITS))
+@given(token_batches(max_n=9), st.integers(1, 3), st.integers(0, 8), st.booleans(), st.sampled_from(SHARD_UNITS))
 def test_every_plan_verifies_with_exact_costs_within_capacity(sequences, dp, extra, first_feasible, shard):
     """verify_partition holds, each work is the distinct-prefix count of its members, and C(M) <= T."""
     lengths, lcp = lengths_and_lcp(sequences)

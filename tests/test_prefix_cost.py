@@ -16,46 +16,9 @@ from hypothesis import strategies as st
 
 from harts.compiler.prefix_cost import PrefixCostModel, RangeMin, floor_log2_table, validate_sorted_lcp
 
+from prefix_inputs import lengths_and_lcp, token_batches, trie_nodes
+
 SETTINGS = settings(max_examples=60, deadline=None)
-
-
-@st.composite
-def token_batches(draw, max_n: int = 10, max_len: int = 7, alphabet: int = 3):
-    """Sorted token sequences rich in shared prefixes, strict prefixes and duplicates."""
-    n = draw(st.integers(1, max_n))
-    sequences: list[list[int]] = []
-    for _ in range(n):
-        kind = draw(st.sampled_from(["new", "prefix", "extend", "duplicate"])) if sequences else "new"
-        if kind == "new":
-            seq = draw(st.lists(st.integers(0, alphabet - 1), min_size=1, max_size=max_len))
-        else:
-            base = sequences[draw(st.integers(0, len(sequences) - 1))]
-            if kind == "prefix":
-                seq = base[:draw(st.integers(1, len(base)))]
-            elif kind == "extend":
-                seq = base + draw(st.lists(st.integers(0, alphabet - 1), min_size=1, max_size=3))
-            else:
-                seq = list(base)
-        sequences.append(seq)
-    sequences.sort()  # lexicographic: a strict prefix sorts before its extensions
-    return sequences
-
-
-def lengths_and_lcp(sequences):
-    lengths = np.array([len(s) for s in sequences], dtype=np.int64)
-    lcp = np.zeros(len(sequences), dtype=np.int64)
-    for i in range(1, len(sequences)):
-        a, b = sequences[i - 1], sequences[i]
-        k = 0
-        while k < min(len(a), len(b)) and a[k] == b[k]:
-            k += 1
-        lcp[i] = k
-    return lengths, lcp
-
-
-def trie_nodes(sequences) -> int:
-    """C(M) by definition: distinct non-empty prefixes of the member sequences."""
-    return len({tuple(s[:k]) for s in sequences for k in range(1, len(s) + 1)})
 
 
 def naive_lcp(a, b) -> int:
