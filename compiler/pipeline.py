@@ -23,12 +23,14 @@ from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.ir.trie import TrieIR
 from harts.compiler.passes.assign_rounds import RoundSchedule, assign_rounds, verify_rounds
 from harts.compiler.passes.build_trie import build_trie, verify_trie
-from harts.compiler.passes.lower_plan import lower_cached_rows, lower_microbatch, lower_producer, lower_step
+from harts.compiler.passes.lower_plan import (lower_cached_rows, lower_microbatch, lower_producer, lower_residual,
+                                              lower_step)
 from harts.compiler.passes.partition_ffd import SHARD_UNITS, partition_ffd
 from harts.compiler.passes.partition_microbatches import (L1Options, L1Partition, partition_microbatches,
                                                           verify_partition)
 from harts.compiler.passes.place_windows import L2Options, L2Placement, place_windows, verify_placement
-from harts.compiler.passes.plan_replay import ReplayPlan, plan_replay
+from harts.compiler.passes.plan_replay import ReplayPlan, plan_replay, with_exports
+from harts.compiler.passes.plan_residual import ResidualPlan, plan_residual, verify_residual
 from harts.schema.errors import PassFailedError
 from harts.schema.plan import FORMAT, SCHEMA_VERSION, Plan
 
@@ -174,10 +176,9 @@ def compile_batch(batch: TrajectoryBatch, options: CompileOptions, progress=None
     slot_of = placement.slot if placement is not None else partition.slot
 
     producers: list[MicrobatchIR] = []
-    producer_records: list[dict] = []
+    producer_cells: list[int] = []
     producer_of_cell: dict[int, int] = {}
     if placement is not None:
-        D = options.dp
         for cell, (positions, lengths) in enumerate(zip(placement.producer_positions, placement.producer_lengths)):
             if not len(positions):
                 continue
@@ -187,13 +188,12 @@ def compile_batch(batch: TrajectoryBatch, options: CompileOptions, progress=None
             if options.verify:
                 verify_rounds(layout, schedule)
             producer_of_cell[cell] = len(producers)
-            producer_records.append(timed("lower", lower_producer, layout, schedule, replay, replica=cell % D,
-                                          window=cell // D, prefix_trajectory=trie.order[positions],
-                                          prefix_length=lengths))
+            producer_cells.append(cell)
             producers.append(MicrobatchIR(layout, schedule, replay))
 
     microbatches: list[MicrobatchIR] = []
     records: list[dict] = []
+    residuals: list[tuple[dict, int, ResidualPlan]] = []   # (consumer record, producer, its residual plan)
     # Memory order of microbatches: by slot, then replica, as the executor runs them.
     run_order = np.lexsort((replica_of, slot_of))
     ordered = run_order.tolist()
@@ -220,8 +220,34 @@ def compile_batch(batch: TrajectoryBatch, options: CompileOptions, progress=None
             record["row_cached_by"] = timed(
                 "lower", lower_cached_rows, layout, replay, placement.cached_prefix[k],
                 producer.layout if producer else None, producer.replay if producer else None, serving)
+            residual = timed("plan-residual", plan_residual, layout, replay, record["row_cached_by"],
+                             options.chunk_size)
+            if options.verify:
+                verify_residual(residual, record["row_cached_by"], record["row_parent"], record["row_position"],
+                                options.chunk_size)
+            residuals.append((record, -1 if source is None else source, residual))
         records.append(record)
         microbatches.append(MicrobatchIR(layout, schedule, replay))
+
+    # Producers export, besides their own handoffs, every anchor state a consumer starts from.
+    requested: list[list[np.ndarray]] = [[] for _ in producers]
+    for record, source, residual in residuals:
+        external = residual.sequence_external_row[residual.sequence_external_row >= 0]
+        if len(external):
+            requested[source].append(np.asarray(record["row_cached_by"], dtype=np.int64)[external])
+    producer_records: list[dict] = []
+    for p, (ir, cell) in enumerate(zip(producers, producer_cells)):
+        rows = np.unique(np.concatenate(requested[p])) if requested[p] else np.zeros(0, np.int64)
+        replay, _ = with_exports(ir.replay, rows, options.chunk_size)
+        producers[p] = MicrobatchIR(ir.layout, ir.schedule, replay)
+        positions = placement.producer_positions[cell]
+        producer_records.append(timed("lower", lower_producer, ir.layout, ir.schedule, replay,
+                                      replica=cell % options.dp, window=cell // options.dp,
+                                      prefix_trajectory=trie.order[positions],
+                                      prefix_length=placement.producer_lengths[cell]))
+    for record, source, residual in residuals:
+        producer_export_row = producers[source].replay.export_row if source >= 0 else np.zeros(0, np.int64)
+        record.update(lower_residual(residual, record["row_cached_by"], producer_export_row))
 
     header = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "flags": options.flags(),
               "compiler": COMPILER_NAME}

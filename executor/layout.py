@@ -13,9 +13,16 @@ Three modes read the same plan record; none walks a tree:
   that starts there (no replay);
 * `expanded`: every trajectory gets its own rows (gathered from the compact
   rows by its path), one sequence each, nothing shared: the baseline.
+
+A window consumer of an L1+L2 plan (compact mode with `windows=True`) keeps
+its complete rows for the LM head, the loss and the MoE statistics, but its
+decoder runs only the rows its producer does not cache (`decoder_rows`), with
+the plan's residual linear-attention calls and views that query only those
+rows; `cached` says where every other row's values come from.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +53,7 @@ class RoundCall:
     export_sequence: torch.Tensor  # [E_r] sequence within this call
     export_chunk: torch.Tensor  # [E_r] whole chunks before the export
     export_ids: torch.Tensor    # [E_r] global export index of each
+    start_external: torch.Tensor | None = None  # [S] producer export to start from, -1 for none (windows only)
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,6 +64,15 @@ class LinearCalls:
     rounds: list
     num_exports: int
     output_order: torch.Tensor | None
+
+
+@dataclass(frozen=True, eq=False)
+class CachedRows:
+    """Where a window consumer's rows come from: row r of a complete per-row tensor is
+    `cat([producer_values[cached_source], decoder_values])[complete_index[r]]`."""
+
+    cached_source: torch.Tensor   # [Cc] producer row of each cached row (consumer rows ascending)
+    complete_index: torch.Tensor  # [C]
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,16 +88,28 @@ class ExecLayout:
     position_label: torch.Tensor  # [P] the position's token
     position_flat: np.ndarray     # [P] index into the step's flat per-token arrays
     member_trajectory: np.ndarray  # [k] trajectory (file index) of each member
+    decoder_rows: torch.Tensor | None = None  # [U] rows the decoder computes; None: every row
+    cached: CachedRows | None = None          # window consumers only
 
     @property
     def num_rows(self) -> int:
         return int(self.row_token.shape[0])
 
+    @property
+    def num_decoder_rows(self) -> int:
+        return self.num_rows if self.decoder_rows is None else int(self.decoder_rows.shape[0])
+
+    def decoder_view(self, per_row: torch.Tensor) -> torch.Tensor:
+        """The decoder rows' entries of a per-row tensor."""
+        return per_row if self.decoder_rows is None else per_row[self.decoder_rows]
+
 
 def _calls(sequences: list[tuple[np.ndarray, int]], sequence_round: np.ndarray, start_state: np.ndarray,
            export_sequence: np.ndarray, export_chunk: np.ndarray, output_rows_in_order: bool,
-           output_rows: list[np.ndarray]) -> LinearCalls:
+           output_rows: list[np.ndarray], start_external: np.ndarray | None = None) -> LinearCalls:
     """Group sequences (token rows, number of replay tokens) by round into packed calls."""
+    if not sequences:   # a window consumer whose rows are all cached
+        return LinearCalls(rounds=[], num_exports=0, output_order=None)
     rounds = []
     order = np.argsort(sequence_round, kind="stable")
     sequence_round = sequence_round[order]
@@ -105,6 +134,7 @@ def _calls(sequences: list[tuple[np.ndarray, int]], sequence_round: np.ndarray, 
             export_sequence=_long(local_index[export_sequence[exports]]),
             export_chunk=_long(export_chunk[exports]),
             export_ids=_long(exports),
+            start_external=None if start_external is None else _long(start_external[group]),
         ))
         listed_rows += [output_rows[q] for q in group]
     output_order = None
@@ -149,8 +179,14 @@ def expanded_groups(mb: dict, token_offsets: np.ndarray, capacity: int) -> list[
 
 
 def build_layout(mb: dict, token_offsets: np.ndarray, chunk_size: int, mode: str = "compact",
-                 members: np.ndarray | None = None) -> ExecLayout:
-    """The rows one microbatch runs in `mode`; `members` (expanded mode only) selects a subset."""
+                 members: np.ndarray | None = None, windows: bool = False) -> ExecLayout:
+    """The rows one microbatch runs in `mode`; `members` (expanded mode only) selects a subset.
+
+    `windows` (compact mode): a consumer with cached rows runs only its
+    uncached rows through the decoder (see `consumer_layout`).
+    """
+    if windows and mode == "compact" and has_cached_rows(mb):
+        return consumer_layout(build_layout(mb, token_offsets, chunk_size, mode), mb)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if members is not None and mode != "expanded":
@@ -235,3 +271,51 @@ def _nodewise_calls(mb: dict, chunk_size: int) -> LinearCalls:
     export_chunk = -(-seg_len[exporter] // chunk_size)   # ceil: the final (possibly partial) chunk
     return _calls(sequences, np.arange(1, len(parent) + 1), start_state, exporter, export_chunk, True,
                   [s for s, _ in sequences])
+
+
+def has_cached_rows(mb: dict) -> bool:
+    return "row_cached_by" in mb and bool(np.any(np.asarray(mb["row_cached_by"]) >= 0))
+
+
+def consumer_layout(complete: ExecLayout, mb: dict) -> ExecLayout:
+    """A window consumer: `complete`'s rows, LM-head positions and statistics weights, with
+    the decoder on the uncached rows only (the plan's `residual_*` calls, views querying
+    only those rows) and `cached` naming each cached row's producer row."""
+    cached_by = np.asarray(mb["row_cached_by"], dtype=np.int64)
+    is_decoder = cached_by < 0
+    decoder_rows = np.flatnonzero(is_decoder)
+    cached_rows = np.flatnonzero(~is_decoder)
+    complete_index = np.empty(len(cached_by), dtype=np.int64)
+    complete_index[cached_rows] = np.arange(len(cached_rows))
+    complete_index[decoder_rows] = len(cached_rows) + np.arange(len(decoder_rows))
+    decoder_index = complete_index - len(cached_rows)   # valid on decoder rows
+
+    offsets = _array(mb["residual_sequence_token_offsets"])
+    tokens = _array(mb["residual_token_rows"])
+    replay = _array(mb["residual_sequence_replay"])
+    sequences, outputs = [], []
+    for q in range(len(replay)):
+        rows = tokens[offsets[q]:offsets[q + 1]]
+        sequences.append((rows, int(replay[q])))
+        outputs.append(decoder_index[rows[replay[q]:]])
+    calls = _calls(sequences, _array(mb["residual_sequence_round"]), _array(mb["residual_sequence_start_state"]),
+                   _array(mb["residual_export_sequence"]), _array(mb["residual_export_chunk"]), False, outputs,
+                   start_external=_array(mb["residual_sequence_producer_state"]))
+    return dataclasses.replace(
+        complete, calls=calls, views=complete.views.with_queries(is_decoder), decoder_rows=_long(decoder_rows),
+        cached=CachedRows(cached_source=_long(cached_by[cached_rows]), complete_index=_long(complete_index)))
+
+
+def producer_layout(producer: dict) -> ExecLayout:
+    """A window producer: its rows, rounds, replay and views; no labelled positions (no LM head)."""
+    row_parent = _array(producer["row_parent"])
+    row_position = _array(producer["row_position"])
+    views = AttentionViews.from_plan(row_parent=row_parent, row_position=row_position,
+                                     member_own_start=producer["member_own_start"],
+                                     member_run_offsets=producer["member_run_offsets"],
+                                     run_row_start=producer["run_row_start"], run_length=producer["run_length"])
+    empty = np.zeros(0, dtype=np.int64)
+    return ExecLayout(mode="compact", row_token=_long(producer["row_token"]), row_position=_long(row_position),
+                      row_parent=row_parent, row_weight=torch.ones(len(row_parent), dtype=torch.float64),
+                      calls=_compact_calls(producer), views=views, position_row=_long(empty),
+                      position_label=_long(empty), position_flat=empty, member_trajectory=empty)

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from harts.executor.layout import MODES, build_layout, expanded_groups
+from harts.executor.layout import MODES, build_layout, expanded_groups, has_cached_rows, producer_layout
 from harts.executor.losses import LossConfig, PositionMeta, policy_loss, position_weights
 from harts.executor.models.moe import MoEStatistics
 from harts.executor.models.registry import runner_for
 from harts.executor.ops.logprobs import position_logprobs
+from harts.executor.windows import PASSTHROUGH, ConsumerView, ProducerRecord
 from harts.schema.errors import HartsError
 from harts.schema.plan import Plan
 
@@ -33,8 +34,10 @@ class StepResult:
     moe_aux_loss: float
     moe_z_loss: float
     seconds: float
-    rows: int                          # decoder rows run (over all microbatches)
+    rows: int                          # decoder rows run (over all microbatches and window producers)
     microbatch_seconds: list = field(default_factory=list)
+    producers_run: int = 0             # window producers executed (L1+L2 plans with windows on)
+    producer_backward_passes: int = 0  # autograd traversals of producer graphs (one per producer)
 
 
 def _meta(plan: Plan, flat: np.ndarray, weights: np.ndarray) -> PositionMeta:
@@ -59,8 +62,15 @@ def check_model_fits(plan: Plan, model) -> None:
 
 def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = LossConfig(),
              backward: bool = True, microbatches: list[int] | None = None,
-             pack_expanded: bool = True, recompute: bool = False, progress=None) -> StepResult:
+             pack_expanded: bool = True, recompute: bool = False, progress=None,
+             windows: bool = True) -> StepResult:
     """Forward (and backward) of the step's microbatches, in plan order (slot, replica).
+
+    `windows` (compact mode, plans compiled with `--levels l1+l2`): each
+    window's producer runs once before its first consumer that reads it,
+    consumers run the decoder on their uncached rows only, and after the
+    window's last such consumer one producer backward runs and the window is
+    released. False runs every consumer on its complete layout (no reuse).
 
     In expanded mode, `pack_expanded` packs each microbatch's trajectories into
     groups of at most the plan's capacity in original tokens (the realistic
@@ -95,12 +105,31 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
             work += [(mb, group) for group in expanded_groups(mb, offsets, capacity)]
         else:
             work.append((mb, None))
-    for mb, group in (progress(work, f"{mode} microbatches") if progress else work):
+    use_windows = windows and mode == "compact" and bool(plan.producers)
+    producer_of_cell = {(int(p["window"]), int(p["replica"])): p for p in plan.producers or []} if use_windows else {}
+    cell_of = [(int(mb["window"]), int(mb["replica"])) if use_windows and has_cached_rows(mb) else None
+               for mb, _ in work]
+    last_reader = {cell: i for i, cell in enumerate(cell_of) if cell is not None}
+    live: dict = {}
+    producers_run = producer_passes = 0
+    for i, (mb, group) in enumerate(progress(work, f"{mode} microbatches") if progress else work):
         t0 = time.perf_counter()
-        layout = build_layout(mb, offsets, chunk_size, mode, members=group)
+        cell, record = cell_of[i], None
+        if cell is not None:
+            record = live.get(cell)
+            if record is None:
+                # Producer forward: the decoder over its rows, no LM head, no statistics.
+                record = live[cell] = ProducerRecord()
+                with torch.set_grad_enabled(backward):
+                    producer = producer_layout(producer_of_cell[cell])
+                    runner.hidden_states(producer, None, record)
+                rows += producer.num_rows
+                producers_run += 1
+        layout = build_layout(mb, offsets, chunk_size, mode, members=group, windows=use_windows)
+        window = ConsumerView(record, layout.cached) if record is not None else PASSTHROUGH
         stats = MoEStatistics()
         with torch.set_grad_enabled(backward):
-            hidden = runner.hidden_states(layout, stats)
+            hidden = runner.hidden_states(layout, stats, window)
             lam = position_logprobs(hidden, model.lm_head.weight, layout.position_row, layout.position_label)
             mb_loss = policy_loss(lam, _meta(plan, layout.position_flat, weights), loss)
             aux, z = stats.aux_loss(top_k), stats.z_loss()
@@ -113,7 +142,13 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
         z_total += float(z.detach())
         for layer, load in stats.load.items():
             loads[layer] = loads.get(layer, 0) + load.numpy()
-        rows += layout.num_rows
+        rows += layout.num_decoder_rows
+        if cell is not None and last_reader[cell] == i:
+            record = live.pop(cell)
+            if backward:
+                record.backward()       # the window's one producer backward
+                producer_passes += record.backward_passes
+            record.release()
         times.append(time.perf_counter() - t0)
     ids = plan.step["ids"]
     logprobs = {str(ids[t]): flat_logprobs[offsets[t]:offsets[t + 1]].copy() for t in range(len(ids))}
@@ -125,4 +160,5 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     objective_total = total_loss + loss.moe_aux_coef * aux_total + loss.moe_z_coef * z_total
     return StepResult(logprobs=logprobs, loss=total_loss, objective=objective_total, grads=grads, moe_load=loads, moe_aux_loss=aux_total,
                       moe_z_loss=z_total, seconds=time.perf_counter() - started, rows=rows,
-                      microbatch_seconds=times)
+                      microbatch_seconds=times, producers_run=producers_run,
+                      producer_backward_passes=producer_passes)

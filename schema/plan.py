@@ -50,13 +50,27 @@ microbatches[i]
     and position, its parent is the producer row of the consumer row's
     parent, and a cached row's parent is cached (cached rows are
     prefix-closed). Consumers keep their complete layouts for the LM head and
-    the loss; only rows with -1 run through the decoder.
+    the loss; only rows with -1 run through the decoder, with these
+    linear-attention calls (all rows are the consumer's, memory order):
+    ``residual_num_rounds``, ``residual_sequence_round`` int32[Q'],
+    ``residual_sequence_token_offsets`` int64[Q'+1] into
+    ``residual_token_rows`` int64[N'] (per sequence its replay rows, then its
+    output rows; every uncached row is an output exactly once, cached rows
+    appear only as replay), ``residual_sequence_replay`` int64[Q'],
+    ``residual_sequence_start_position`` int64[Q'] (the chunk-aligned anchor),
+    ``residual_sequence_start_state`` int64[Q'] (export of these calls, or -1),
+    ``residual_sequence_producer_state`` int64[Q'] (index into the producer's
+    exports, or -1), ``residual_export_sequence``, ``residual_export_chunk``
+    int64[E'].
 producers[p] (only with ``--levels l1+l2``; absent otherwise)
     one per (window, replica) whose producer computes anything, ordered by
     window then replica: ``replica``, ``window``, ``num_rounds``,
     ``row_token``, ``row_position``, ``row_parent``, the same
     sequence/replay/round/export tables and segment tables as a microbatch,
-    for the producer's own rows, and ``prefix_trajectory`` int64[m] (file
+    for the producer's own rows (its exports include every anchor state a
+    consumer starts from), the member path runs of its prefixes
+    (``member_own_start``, ``member_run_offsets``, ``run_row_start``,
+    ``run_length``, for its attention views), and ``prefix_trajectory`` int64[m] (file
     index), ``prefix_length`` int64[m]: the trajectory prefixes it computes,
     deduplicated into its rows. A producer runs the decoder only (no LM head,
     no loss); every row it computes is used by at least two consumers.

@@ -15,9 +15,44 @@ from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.executor.losses import LossConfig
 from harts.executor.models.hf_reference import trajectory_logprobs
+from harts.executor.models.init_model import kimi_linear_config, qwen3_next_config
 from harts.executor.runtime import run_step
 
 VOCAB = 256
+
+
+def tiny_kimi_linear():
+    """Tiny Kimi Linear with a non-zero router score-correction bias."""
+    from transformers import KimiLinearForCausalLM
+
+    torch.manual_seed(0)
+    model = KimiLinearForCausalLM(kimi_linear_config("tiny", VOCAB)).float().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.05)
+    return model
+
+
+def tiny_qwen3_next():
+    """Tiny Qwen3-Next with slow linear-attention decays and non-trivial norms (state crosses chunks)."""
+    from transformers import Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3NextForCausalLM(qwen3_next_config("tiny", VOCAB)).float().eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                # The initialiser draws A in [0.01, 16]: most heads forget within a few tokens,
+                # so a wrong state handed over a chunk boundary could go unseen. Slow decays
+                # (exp(-A softplus(a + dt_bias)) ~ 0.74..0.99 per token) carry state across chunks.
+                A_log = layer.linear_attn.A_log
+                A_log.copy_(torch.empty_like(A_log).uniform_(0.005, 0.2).log())
+            # Non-trivial norm weights (the initialiser leaves 1 + 0 everywhere).
+            for module in layer.modules():
+                if type(module).__name__ == "Qwen3NextRMSNorm":
+                    module.weight.normal_(0.0, 0.1)
+    return model
 
 
 def boundary_tree(rng, vocab: int = VOCAB) -> list[list[int]]:

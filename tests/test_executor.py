@@ -19,24 +19,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harts.executor.losses import LossConfig
-from harts.executor.models.init_model import kimi_linear_config
 from harts.executor.runtime import run_step
 
-from fidelity import (VOCAB, boundary_tree, check_expert_loads_count_every_occurrence, check_matches_hugging_face,
-                      check_modes_agree, compile_lists, gradient_floor, relative_error, small_forests)
+from fidelity import (boundary_tree, check_expert_loads_count_every_occurrence, check_matches_hugging_face,
+                      check_modes_agree, compile_lists, gradient_floor, relative_error, small_forests, tiny_kimi_linear)
 
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import KimiLinearForCausalLM
-
-    torch.manual_seed(0)
-    model = KimiLinearForCausalLM(kimi_linear_config("tiny", VOCAB)).float().eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.05)
-    return model
+    return tiny_kimi_linear()
 
 
 def test_compact_matches_the_hugging_face_model_run_per_trajectory(model):

@@ -26,33 +26,17 @@ from hypothesis import strategies as st
 
 from harts.executor.losses import LossConfig
 from harts.executor.models.hf_reference import trajectory_logprobs
-from harts.executor.models.init_model import qwen3_next_config
 from harts.executor.models.registry import runner_for
 from harts.executor.runtime import run_step
 
 from fidelity import (VOCAB, boundary_tree, check_expert_loads_count_every_occurrence, check_matches_hugging_face,
-                      check_modes_agree, compile_lists, gradient_floor, hf_reference, relative_error, small_forests)
+                      check_modes_agree, compile_lists, gradient_floor, hf_reference, relative_error, small_forests,
+                      tiny_qwen3_next)
 
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import Qwen3NextForCausalLM
-
-    torch.manual_seed(0)
-    model = Qwen3NextForCausalLM(qwen3_next_config("tiny", VOCAB)).float().eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if hasattr(layer, "linear_attn"):
-                # The initialiser draws A in [0.01, 16]: most heads forget within a few tokens,
-                # so a wrong state handed over a chunk boundary could go unseen. Slow decays
-                # (exp(-A softplus(a + dt_bias)) ~ 0.74..0.99 per token) carry state across chunks.
-                A_log = layer.linear_attn.A_log
-                A_log.copy_(torch.empty_like(A_log).uniform_(0.005, 0.2).log())
-            # Non-trivial norm weights (the initialiser leaves 1 + 0 everywhere).
-            for module in layer.modules():
-                if type(module).__name__ == "Qwen3NextRMSNorm":
-                    module.weight.normal_(0.0, 0.1)
-    return model
+    return tiny_qwen3_next()
 
 
 def test_tiny_preset_has_the_structure_the_tests_rely_on(model):

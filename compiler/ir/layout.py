@@ -138,15 +138,7 @@ def build_layout(token_offsets: np.ndarray, tokens: np.ndarray, trajectories: np
         run_row_start + run_length, minlength=num_rows + 1)
     row_multiplicity = np.cumsum(delta[:num_rows])
 
-    has_parent = row_parent >= 0
-    child_count = np.bincount(row_parent[has_parent], minlength=num_rows)
-    parent_forks = np.zeros(num_rows, dtype=bool)
-    parent_forks[has_parent] = child_count[row_parent[has_parent]] >= 2
-    segment_first = ~has_parent | parent_forks | (row_parent != rows - 1)
-    segment_row_start = np.append(np.flatnonzero(segment_first), num_rows).astype(np.int64)
-    segment_of_row = np.cumsum(segment_first) - 1
-    first_parent = row_parent[segment_row_start[:-1]]
-    segment_parent = np.where(first_parent >= 0, segment_of_row[np.maximum(first_parent, 0)], -1)
+    segment_row_start, segment_parent = segments_of(row_parent)
 
     return CompactLayout(
         trajectories=trajectories,
@@ -162,6 +154,27 @@ def build_layout(token_offsets: np.ndarray, tokens: np.ndarray, trajectories: np
         run_row_start=run_row_start,
         run_length=run_length,
     )
+
+
+def segments_of(row_parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Segments of a row forest whose parents precede their children: (row_start[V + 1], parent[V]).
+
+    A segment starts at a root, below a fork, or where a row's parent is not the
+    row just before it; so every segment is a contiguous range of rows.
+    """
+    row_parent = np.asarray(row_parent, dtype=np.int64)
+    num_rows = len(row_parent)
+    rows = np.arange(num_rows, dtype=np.int64)
+    has_parent = row_parent >= 0
+    child_count = np.bincount(row_parent[has_parent], minlength=num_rows)
+    parent_forks = np.zeros(num_rows, dtype=bool)
+    parent_forks[has_parent] = child_count[row_parent[has_parent]] >= 2
+    segment_first = ~has_parent | parent_forks | (row_parent != rows - 1)
+    segment_row_start = np.append(np.flatnonzero(segment_first), num_rows).astype(np.int64)
+    segment_of_row = np.cumsum(segment_first) - 1
+    first_parent = row_parent[segment_row_start[:-1]]
+    segment_parent = np.where(first_parent >= 0, segment_of_row[np.maximum(first_parent, 0)], -1)
+    return segment_row_start, segment_parent
 
 
 def verify_layout(layout: CompactLayout, token_offsets: np.ndarray, tokens: np.ndarray) -> None:

@@ -24,6 +24,8 @@ from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.ir.trie import TrieIR
 from harts.compiler.passes.assign_rounds import RoundSchedule
 from harts.compiler.passes.plan_replay import ReplayPlan
+from harts.compiler.passes.plan_residual import ResidualPlan
+from harts.schema.errors import VerificationError
 
 
 def lower_member_runs(layout: CompactLayout, replay: ReplayPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -114,10 +116,12 @@ def lower_microbatch(layout: CompactLayout, schedule: RoundSchedule, replay: Rep
     }
 
 
-# Keys of a microbatch record that a producer shares (it has no members, slot or multiplicities).
+# Keys of a microbatch record that a producer shares (no slot, multiplicities or trajectories: its
+# members are the prefixes it computes, whose path runs give its attention views).
 PRODUCER_KEYS = ("num_rounds", "row_token", "row_position", "row_parent", "sequence_round", "sequence_row_start",
                  "sequence_num_rows", "sequence_start_position", "sequence_replay_offsets", "replay_rows",
                  "sequence_start_state", "round_offsets", "export_row", "export_sequence", "export_chunk",
+                 "member_own_start", "member_run_offsets", "run_row_start", "run_length",
                  "segment_row_start", "segment_parent", "segment_level")
 
 
@@ -171,6 +175,31 @@ def lower_cached_rows(layout: CompactLayout, replay: ReplayPlan, cached_prefix: 
         rows = np.concatenate(consumer_rows)
         out[replay.exec_of_row[rows]] = producer_replay.exec_of_row[np.concatenate(producer_rows)]
     return out
+
+
+def lower_residual(residual: ResidualPlan, row_cached_by: np.ndarray, producer_export_row: np.ndarray) -> dict:
+    """A consumer's `residual_*` keys: its decoder-row linear-attention calls; an external start
+    state becomes the index of the producer export taken after that cached row."""
+    external = residual.sequence_external_row >= 0
+    producer_state = np.full(len(external), -1, dtype=np.int64)
+    rows = np.asarray(row_cached_by, dtype=np.int64)[residual.sequence_external_row[external]]
+    producer_state[external] = np.searchsorted(producer_export_row, rows)
+    if len(rows) and np.any(producer_export_row[np.minimum(producer_state[external], len(producer_export_row) - 1)]
+                            != rows):
+        raise VerificationError("a consumer's anchor state is exported by its producer",
+                                "the producer does not export a requested anchor state")
+    return {
+        "residual_num_rounds": int(residual.num_rounds),
+        "residual_sequence_round": residual.sequence_round,
+        "residual_sequence_token_offsets": residual.sequence_token_offsets,
+        "residual_token_rows": residual.token_rows,
+        "residual_sequence_replay": residual.sequence_replay,
+        "residual_sequence_start_position": residual.sequence_start_depth,
+        "residual_sequence_start_state": residual.sequence_start_state,
+        "residual_sequence_producer_state": producer_state,
+        "residual_export_sequence": residual.export_sequence,
+        "residual_export_chunk": residual.export_chunk,
+    }
 
 
 def lower_step(batch: TrajectoryBatch, trie: TrieIR) -> dict:

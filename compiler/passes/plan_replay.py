@@ -18,6 +18,7 @@ Legend: C rows, Q sequences, E exported states, P replay rows in total.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,13 +47,18 @@ class ReplayPlan:
     export_sequence: np.ndarray       # int64[E]: sequence producing it
     export_chunk: np.ndarray          # int64[E]: whole chunks of that sequence (replay included) before it
     round_offsets: np.ndarray         # int64[R + 1]: sequences of round r are [round_offsets[r-1], round_offsets[r])
+    # bool[Q]: the start state comes from outside the layout (a root above depth 0 whose
+    # anchor row lies in a window's producer); only with `external_roots`, else all False.
+    sequence_external_start: np.ndarray | None = None
 
     @property
     def replay_tokens(self) -> int:
         return len(self.replay_rows)
 
 
-def plan_replay(layout: CompactLayout, schedule: RoundSchedule) -> ReplayPlan:
+def plan_replay(layout: CompactLayout, schedule: RoundSchedule, external_roots: bool = False) -> ReplayPlan:
+    """`external_roots`: roots may start at chunk-aligned depths > 0 (a consumer's residual
+    forest); a sequence whose anchor state lies above its root starts from an external state."""
     B = schedule.chunk_size
     seg_start = layout.segment_row_start
     seg_len = np.diff(seg_start)
@@ -105,6 +111,15 @@ def plan_replay(layout: CompactLayout, schedule: RoundSchedule) -> ReplayPlan:
     # Start state: the boundary state after the path row at depth anchor - 1.
     needs_state = anchor > 0
     key_creation = ancestors[np.flatnonzero(needs_state), replay_len[needs_state]]
+    external = np.zeros(Q, dtype=bool)
+    outside = key_creation < 0
+    if np.any(outside):
+        if not external_roots:
+            raise VerificationError("a start state is exported inside the microbatch",
+                                    "a sequence's anchor row lies above its root")
+        external[np.flatnonzero(needs_state)[outside]] = True
+        needs_state &= ~external
+        key_creation = key_creation[~outside]
     key_exec = exec_of_row[key_creation]
     export_row, state_index = np.unique(key_exec, return_inverse=True)
     sequence_start_state = np.full(Q, -1, dtype=np.int64)
@@ -132,8 +147,37 @@ def plan_replay(layout: CompactLayout, schedule: RoundSchedule) -> ReplayPlan:
         export_sequence=export_sequence.astype(np.int64),
         export_chunk=export_chunk.astype(np.int64),
         round_offsets=round_offsets,
+        sequence_external_start=external,
     )
     if np.any(local_end % B != 0):
         raise VerificationError("exports sit on chunk boundaries",
                                 "an anchor state falls inside a chunk of its producer")
     return plan
+
+
+def with_exports(replay: ReplayPlan, rows: np.ndarray, chunk_size: int) -> tuple[ReplayPlan, np.ndarray]:
+    """The same plan also exporting the state after each memory row in `rows`; returns it and
+    the export index of every requested row.
+
+    A window's producer exports, besides its own handoffs, the anchor states its
+    consumers start from. Each requested row must end a whole chunk of its
+    sequence (its depth + 1 is a multiple of B), which holds for any row at
+    depth a - 1 with a chunk-aligned, since every sequence runs on the
+    trajectory's own chunk grid. Memory order and rounds are unchanged.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    export_row = np.union1d(replay.export_row, rows).astype(np.int64)
+    sequence_of_exec = np.repeat(np.arange(len(replay.sequence_round)), replay.sequence_num_rows)
+    export_sequence = sequence_of_exec[export_row] if len(export_row) else np.zeros(0, np.int64)
+    replay_len = np.diff(replay.sequence_replay_offsets)
+    local_end = replay_len[export_sequence] + (export_row - replay.sequence_row_start[export_sequence]) + 1
+    if np.any(local_end % chunk_size != 0):
+        raise VerificationError("exports sit on chunk boundaries",
+                                "a requested anchor state falls inside a chunk of its producer")
+    start_state = replay.sequence_start_state.copy()
+    has = start_state >= 0
+    start_state[has] = np.searchsorted(export_row, replay.export_row[start_state[has]])
+    extended = dataclasses.replace(replay, export_row=export_row, export_sequence=export_sequence.astype(np.int64),
+                                   export_chunk=(local_end // chunk_size).astype(np.int64),
+                                   sequence_start_state=start_state)
+    return extended, np.searchsorted(export_row, rows).astype(np.int64)

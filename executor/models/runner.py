@@ -9,6 +9,11 @@ plan's linear-attention rounds. A family subclass provides `layer` (one
 decoder layer on rows) and, if its layers need per-microbatch inputs such as
 rotary tables, `layer_inputs`.
 
+The decoder runs `layout.decoder_rows` (every row, except in a window
+consumer). Every per-row tensor a non-row-local op reads, and the final
+hidden states, pass through `window.complete(key, layer, values)`, which
+returns them over every row of the layout (`harts.executor.windows`).
+
 Legend: R rows, D hidden size, H heads, K/V head dims.
 """
 from __future__ import annotations
@@ -20,6 +25,7 @@ from harts.executor.layout import ExecLayout
 from harts.executor.models.moe import MoEStatistics
 from harts.executor.ops.linear_attention import chunk_linear_attention
 from harts.executor.ops.short_conv import conv_context
+from harts.executor.windows import PASSTHROUGH, RowSource
 
 
 class RowRunner:
@@ -39,58 +45,77 @@ class RowRunner:
         return int(self.config.num_experts_per_tok)
 
     def layer_inputs(self, layout: ExecLayout, h_RD: torch.Tensor):
-        """Per-microbatch inputs every layer reads besides the rows (default: none)."""
+        """Per-microbatch inputs every layer reads besides the decoder rows (default: none)."""
         return None
 
-    def layer(self, index: int, layer, h_RD, layout: ExecLayout, context, inputs, stats):
+    def layer(self, index: int, layer, h_RD, layout: ExecLayout, context, inputs, stats, window: RowSource):
         raise NotImplementedError
 
-    def hidden_states(self, layout: ExecLayout, stats: MoEStatistics | None = None) -> torch.Tensor:
-        """Final hidden states [R, D] (after the last norm), one per row."""
+    def hidden_states(self, layout: ExecLayout, stats: MoEStatistics | None = None,
+                      window: RowSource = PASSTHROUGH) -> torch.Tensor:
+        """Final hidden states [R, D] (after the last norm), one per row of the layout."""
         base = self.model.model
-        context = (conv_context(layout.row_parent, self.config.linear_conv_kernel_dim)
-                   if "linear_attention" in self.config.layer_types else None)
-        h_RD = base.embed_tokens(layout.row_token)
+        if layout.num_decoder_rows == 0:
+            return self.all_cached(layout, stats, window)
+        context = None
+        if "linear_attention" in self.config.layer_types:
+            # Windows of the decoder rows, reading any row of the layout.
+            context = layout.decoder_view(conv_context(layout.row_parent, self.config.linear_conv_kernel_dim))
+        h_RD = base.embed_tokens(layout.decoder_view(layout.row_token))
+        window.started(h_RD)
         inputs = self.layer_inputs(layout, h_RD)
         if stats is not None:
             stats.tokens = stats.tokens + layout.row_weight.sum()
         self._recording = True
         for index, layer in enumerate(base.layers[: self.config.num_hidden_layers]):
-            args = (index, layer, h_RD, layout, context, inputs, stats)
+            args = (index, layer, h_RD, layout, context, inputs, stats, window)
             if self.recompute and torch.is_grad_enabled():
                 h_RD = checkpoint(self.layer, *args, use_reentrant=False)
             else:
                 h_RD = self.layer(*args)
         # Statistics are recorded by the forward pass only, never by a recomputation in backward.
         self._recording = False
-        return base.norm(h_RD)
+        return window.complete("final", -1, base.norm(h_RD))
+
+    def all_cached(self, layout: ExecLayout, stats: MoEStatistics | None, window) -> torch.Tensor:
+        """A window consumer whose every row its producer computed: it reads only the router
+        outputs (for its own occurrence-weighted statistics) and the final hidden states."""
+        if stats is not None:
+            stats.tokens = stats.tokens + layout.row_weight.sum()
+            for index in window.layers_with("router_logits"):
+                self.record_router(stats, index, layout.row_weight, window.complete("router_logits", index, None),
+                                   window.complete("router_topk", index, None))
+        return window.complete("final", -1, None)
+
+    def record_router(self, stats: MoEStatistics, index: int, weight_R, router_logits_RE, topk_index_Rk) -> None:
+        """Record one MoE layer's routing (default: a sigmoid router's normalised scores)."""
+        stats.add(index, weight_R, router_logits_RE, topk_index_Rk)
 
     def statistics_record(self, stats: MoEStatistics | None) -> MoEStatistics | None:
         """Where a layer records router statistics: a recomputation must save exactly what the
         forward saved, so it computes the statistics too, into a throwaway record."""
         return stats if self._recording or stats is None else MoEStatistics()
 
-    def linear_rounds(self, q, k, v, g, beta, layout: ExecLayout) -> torch.Tensor:
-        """Run the layout's rounds; exported states feed later rounds with gradients attached."""
+    def linear_rounds(self, q, k, v, g, beta, layout: ExecLayout, index: int, window: RowSource) -> torch.Tensor:
+        """Run the layout's rounds over per-row inputs; returns one output per decoder row.
+
+        Exported states feed later rounds with gradients attached; a window
+        consumer's sequence may start from a state its producer exported.
+        """
         calls = layout.calls
         states: list = [None] * calls.num_exports
+        state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         pieces = []
         for call in calls.rounds:
             rows = call.token_rows
-            if call.start_state.numel() and bool((call.start_state >= 0).any()):
-                zero = None
-                initial = []
-                for source in call.start_state.tolist():
-                    if source >= 0:
-                        initial.append(states[source])
-                    else:
-                        if zero is None:
-                            zero = q.new_zeros(v.shape[1], q.shape[2], v.shape[2], dtype=torch.float32
-                                               if q.dtype != torch.float64 else torch.float64)
-                        initial.append(zero)
-                initial_state = torch.stack(initial)
-            else:
-                initial_state = None
+            internal = call.start_state.tolist()
+            external = call.start_external.tolist() if call.start_external is not None else [-1] * len(internal)
+            initial_state = None
+            if any(i >= 0 for i in internal) or any(e >= 0 for e in external):
+                producer_states = window.start_states(index) if any(e >= 0 for e in external) else None
+                zero = q.new_zeros(v.shape[1], q.shape[2], v.shape[2], dtype=state_dtype)
+                initial_state = torch.stack([states[i] if i >= 0 else producer_states[e] if e >= 0 else zero
+                                             for i, e in zip(internal, external)])
             o, exported = chunk_linear_attention(
                 q[rows], k[rows], v[rows], g[rows], beta[rows], call.cu_seqlens, initial_state,
                 call.export_sequence, call.export_chunk, chunk_size=self.chunk_size,
@@ -98,6 +123,9 @@ class RowRunner:
             for j, export_id in enumerate(call.export_ids.tolist()):
                 states[export_id] = exported[j]
             pieces.append(o[call.output_tokens])
+        window.record_states(index, states)
+        if not pieces:
+            return v.new_zeros(0, *v.shape[1:])
         o_RHV = torch.cat(pieces)
         if calls.output_order is not None:
             o_RHV = o_RHV[calls.output_order]

@@ -51,8 +51,10 @@ def check_inputs(q, k, v, views, scale, block_tokens) -> None:
             raise ValueError(f"{name} must be a floating tensor, got dtype {x.dtype}")
         if x.dim() != 3:
             raise ValueError(f"{name} must be 3-D [R, heads, dim], got shape {tuple(x.shape)}")
-        if x.shape[0] != views.num_rows:
-            raise ValueError(f"{name} must have R={views.num_rows} rows (the views'), got shape {tuple(x.shape)}")
+        rows = views.num_queries if name == "q" else views.num_rows
+        if x.shape[0] != rows:
+            what = "queries" if name == "q" else "rows"
+            raise ValueError(f"{name} must have {rows} rows (the views' {what}), got shape {tuple(x.shape)}")
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"k must have q's head dim Dk={q.shape[2]}, got shape {tuple(k.shape)}")
@@ -74,7 +76,7 @@ def check_inputs(q, k, v, views, scale, block_tokens) -> None:
 class _Block:
     """Index tensors of one block of views (on the compute device)."""
 
-    query_rows: torch.Tensor  # [Nq] rows queried, view by view, positions ascending
+    query_rows: torch.Tensor  # [Nq] index into q/o of the rows queried, view by view, positions ascending
     query_pos: torch.Tensor   # [Nq]
     query_view: torch.Tensor  # [Nq] view index local to the block
     key_rows: torch.Tensor    # [Nk] rows of the key paths, view by view, positions 0..n-1
@@ -104,7 +106,7 @@ def _iter_blocks(views: AttentionViews, block_tokens: int, device: torch.device)
         query_start = views.view_query_start[lo:hi]
         local = np.arange(hi - lo, dtype=np.int64)
         arrays = (
-            views.query_rows(lo, hi),
+            views.query_slots(lo, hi),
             _positions(lengths, query_start),
             np.repeat(local, lengths - query_start),
             views.key_rows(lo, hi),
@@ -167,10 +169,10 @@ def _masked_scores(qs_HQD, k_NHD, keys, needs_mask, block, tile_query, num_kv_he
 
 
 def _forward(q_RHD, k_RHD, v_RHD, views, block_tokens, scale):
-    num_rows, num_heads, _ = q_RHD.shape
+    num_queries, num_heads, _ = q_RHD.shape
     num_kv_heads, value_dim = v_RHD.shape[1], v_RHD.shape[2]
-    o_RHD = q_RHD.new_empty(num_rows, num_heads, value_dim)
-    lse_RH = q_RHD.new_empty(num_rows, num_heads)
+    o_RHD = q_RHD.new_empty(num_queries, num_heads, value_dim)
+    lse_RH = q_RHD.new_empty(num_queries, num_heads)
     for block in _iter_blocks(views, block_tokens, q_RHD.device):
         for tile in _tiles(block, block_tokens):
             rows_T = block.query_rows[tile.query]
@@ -260,7 +262,8 @@ def ancestor_attention(
     """Causal softmax attention of every compact row over its ancestors; returns o [R, H, Dv].
 
     Args:
-        q: [R, H, Dk] queries of the compact rows.
+        q: [R, H, Dk] queries of the compact rows ([views.num_queries, H, Dk] for views
+            made by `AttentionViews.with_queries`; the output then has those rows too).
         k: [R, Hkv, Dk] keys; H must be a multiple of Hkv (query head h reads kv head h // (H / Hkv)).
         v: [R, Hkv, Dv] values; Dv may differ from Dk (MLA).
         views: the microbatch's `AttentionViews` (same R).
@@ -275,7 +278,7 @@ def ancestor_attention(
     check_inputs(q, k, v, views, scale, block_tokens)
     dtype = compute_dtype_for(q.dtype)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    if views.num_rows == 0:
+    if views.num_queries == 0:
         return q.new_zeros(0, q.shape[1], v.shape[2])
     q_RHD, k_RHD, v_RHD = (x.to(dtype).contiguous() for x in (q, k, v))
     o_RHD = _AncestorAttention.apply(q_RHD, k_RHD, v_RHD, views, block_tokens, scale)

@@ -29,6 +29,11 @@ def naive_ancestor_attention(
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     group = q.shape[1] // k.shape[1]
     q64, k64, v64 = (x.to(torch.float64) for x in (q, k, v))
+    if views.query_slot is not None:   # queries only on some rows: place them on a full row tensor
+        full = q64.new_zeros(views.num_rows, *q64.shape[1:])
+        queried = torch.from_numpy(views.query_slot >= 0)
+        full[queried] = q64[torch.from_numpy(views.query_slot[views.query_slot >= 0])]
+        q64 = full
     outputs, rows = [], []
     for view in range(views.num_views):
         path = torch.from_numpy(views.key_rows(view, view + 1)).to(q.device)
@@ -46,5 +51,8 @@ def naive_ancestor_attention(
     if not outputs:
         return q.new_zeros(0, q.shape[1], v.shape[2])
     # Every row is some view's own row exactly once: undo the concatenation order.
-    order = torch.argsort(torch.cat(rows))
+    slots = torch.cat(rows)
+    if views.query_slot is not None:
+        slots = torch.from_numpy(views.query_slot)[slots]
+    order = torch.argsort(slots)
     return torch.cat(outputs)[order].to(q.dtype)

@@ -44,7 +44,10 @@ class AttentionViews:
       `row_position == p` and (for p > 0) `row_parent ==` the row at p - 1;
     * its query rows are the path's positions `view_query_start[v] .. n - 1`,
       a non-empty range;
-    * over all views every row `0 .. R - 1` is a query exactly once.
+    * over all views every row `0 .. R - 1` is a query exactly once, or, for
+      views made by `with_queries`, every row with `query_slot[r] >= 0`
+      exactly once (q and the output then hold only those rows, row r at
+      `query_slot[r]`) and no other row.
 
     `eq=False`: equality is identity, since numpy fields do not compare to a bool.
     """
@@ -56,10 +59,53 @@ class AttentionViews:
     view_run_offsets: np.ndarray  # int64[M + 1]
     run_row_start: np.ndarray   # int64[P]
     run_length: np.ndarray      # int64[P], every run non-empty
+    query_slot: np.ndarray | None = None  # int64[R]: row -> index in q/o, -1 if not queried; None: identity
 
     @property
     def num_views(self) -> int:
         return len(self.view_length)
+
+    @property
+    def num_queries(self) -> int:
+        """Rows of q and of the output."""
+        return self.num_rows if self.query_slot is None else int(np.count_nonzero(self.query_slot >= 0))
+
+    def query_slots(self, lo: int, hi: int) -> np.ndarray:
+        """Index into q/o of the query rows of views lo..hi-1 (`query_rows` order)."""
+        rows = self.query_rows(lo, hi)
+        return rows if self.query_slot is None else self.query_slot[rows]
+
+    def with_queries(self, is_query: np.ndarray) -> "AttentionViews":
+        """The same key paths with only the rows in `is_query` (bool[R]) as queries.
+
+        A window consumer queries only the rows it computes; the rows a
+        producer cached stay keys. Along every view's own rows the excluded
+        rows must come first (cached rows are prefix-closed), so each view keeps
+        a suffix of its queries; views left with none are dropped.
+        """
+        is_query = np.asarray(is_query, dtype=bool)
+        if is_query.shape != (self.num_rows,):
+            raise ValueError(f"is_query must be bool[R={self.num_rows}], got shape {is_query.shape}")
+        own = self.query_rows(0, self.num_views)
+        own_count = self.view_length - self.view_query_start
+        view_of_own = np.repeat(np.arange(self.num_views), own_count)
+        skipped = np.bincount(view_of_own[~is_query[own]], minlength=self.num_views)
+        first = np.cumsum(own_count) - own_count
+        position = np.arange(len(own)) - np.repeat(first, own_count)
+        if np.any(is_query[own] != (position >= np.repeat(skipped, own_count))):
+            raise ValueError("the rows left out of a view's queries must be a prefix of its own rows")
+        keep = skipped < own_count
+        offsets = self.view_run_offsets
+        runs = expand_runs(offsets[:-1][keep], np.diff(offsets)[keep])
+        view_run_offsets = np.zeros(int(keep.sum()) + 1, dtype=np.int64)
+        np.cumsum(np.diff(offsets)[keep], out=view_run_offsets[1:])
+        slot = np.full(self.num_rows, -1, dtype=np.int64)
+        slot[is_query] = np.arange(int(is_query.sum()))
+        return AttentionViews(num_rows=self.num_rows, view_member=self.view_member[keep],
+                              view_length=self.view_length[keep],
+                              view_query_start=(self.view_query_start + skipped)[keep],
+                              view_run_offsets=view_run_offsets, run_row_start=self.run_row_start[runs],
+                              run_length=self.run_length[runs], query_slot=slot)
 
     @property
     def num_key_tokens(self) -> int:

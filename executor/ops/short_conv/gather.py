@@ -77,9 +77,10 @@ def check_inputs(x, weight, bias, context, activation) -> None:
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (channels,)):
         got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
         raise ValueError(f"bias must be None or [C={channels}], got {got}")
-    if not isinstance(context, torch.Tensor) or context.is_floating_point() or tuple(context.shape) != (num_rows, taps):
+    if (not isinstance(context, torch.Tensor) or context.is_floating_point() or context.dim() != 2
+            or context.shape[1] != taps):
         got = (context.dtype, tuple(context.shape)) if isinstance(context, torch.Tensor) else type(context).__name__
-        raise ValueError(f"context must be an integer tensor [R={num_rows}, W={taps}] from conv_context, got {got}")
+        raise ValueError(f"context must be an integer tensor [Q, W={taps}] from conv_context, got {got}")
     if context.numel() and (int(context.min()) < -1 or int(context.max()) >= num_rows):
         raise ValueError(f"context entries must be -1 or rows in [0, {num_rows}), got range "
                          f"[{int(context.min())}, {int(context.max())}]")
@@ -96,10 +97,11 @@ class _ShortConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RC, w_CW, b_C, context_RW, silu):
         num_rows, channels = x_RC.shape
+        num_out = context_RW.shape[0]
         # One zero row at index R stands for every position before 0.
         x_pad = torch.cat([x_RC, x_RC.new_zeros(1, channels)])
         index_RW = torch.where(context_RW >= 0, context_RW, num_rows)
-        z_RC = b_C.expand(num_rows, channels).clone() if b_C is not None else x_RC.new_zeros(num_rows, channels)
+        z_RC = b_C.expand(num_out, channels).clone() if b_C is not None else x_RC.new_zeros(num_out, channels)
         for tap in range(w_CW.shape[1]):
             z_RC.addcmul_(x_pad.index_select(0, index_RW[:, tap]), w_CW[:, tap])
         ctx.save_for_backward(x_RC, w_CW, index_RW, z_RC if silu else None)
@@ -133,13 +135,17 @@ def short_conv(
     context: torch.Tensor,
     activation: str | None = "silu",
 ) -> torch.Tensor:
-    """y[r] = act(bias + sum_j weight[:, j] * x[context[r, j]]), zero where context is -1; returns [R, C].
+    """y[r] = act(bias + sum_j weight[:, j] * x[context[r, j]]), zero where context is -1; returns [Q, C].
+
+    `context` may hold the windows of only some rows (Q of them, e.g. a window
+    consumer's uncached rows, `conv_context(...)[rows]`) while `x` holds every
+    row a window reads.
 
     Args:
         x: [R, C] compact rows (C = the conv channels, e.g. q|k|v concatenated).
         weight: [C, W], or nn.Conv1d's [C, 1, W].
         bias: [C] or None (both models use none).
-        context: [R, W] from `conv_context(row_parent, W)`.
+        context: [Q, W] rows of `conv_context(row_parent, W)` (all R of them normally).
         activation: "silu" (the models' `hidden_act`), "swish" (same) or None.
 
     Equals the models' causal conv on any trajectory containing the row.

@@ -1,0 +1,127 @@
+"""Sharing windows at run time: one producer forward, consumers on uncached rows, one producer backward.
+
+A window's producer (one per window and replica) runs the decoder once over
+the prefixes its consumers share. Everything a consumer's decoder reads from
+those rows is a per-layer *interface* the producer records as it goes: the
+short-convolution input (local context) and output (replay inputs), the
+linear-attention gates, the boundary states it exports, full-attention keys
+and values, router logits and choices, and the final hidden states for the
+LM head. Consumers see each interface through one leaf tensor per window
+(`detach().requires_grad_()`), so every consumer backward only accumulates
+into the leaves' `.grad`; after the window's last consumer, `backward` sends
+all accumulated interface gradients through the producer graph in a single
+autograd call and the window's caches are released.
+
+The runner asks its `RowSource` for every per-row tensor a non-row-local op
+reads (`complete`) and for the states a round starts from (`start_states`);
+`PASSTHROUGH` (no windows) returns what it is given.
+
+Legend: P producer rows, C consumer rows, U consumer decoder rows, Cc cached rows.
+"""
+from __future__ import annotations
+
+import torch
+
+from harts.executor.layout import CachedRows
+
+
+class RowSource:
+    """No windows: the decoder computes every row itself."""
+
+    def complete(self, key: str, layer: int, computed: torch.Tensor) -> torch.Tensor:
+        """The per-row tensor over every row of the layout, given the decoder rows' values."""
+        return computed
+
+    def record_states(self, layer: int, states: list) -> None:
+        """The boundary states one layer's rounds exported (a producer keeps them)."""
+
+    def start_states(self, layer: int) -> list:
+        """States a window's producer exported in `layer`, by export index."""
+        raise RuntimeError("a sequence asks for a producer state, but no window is active")
+
+    def started(self, embedded: torch.Tensor) -> None:
+        """Called with the decoder's first tensor (a producer counts its backward passes there)."""
+
+
+PASSTHROUGH = RowSource()
+
+
+class ProducerRecord(RowSource):
+    """A producer's forward: keeps every interface; hands consumers leaves; runs one backward."""
+
+    def __init__(self) -> None:
+        self.tensors: dict = {}     # (key, layer) -> producer tensor [P, ...] (in the producer graph)
+        self.states: dict = {}      # layer -> exported states
+        self.leaves: dict = {}      # (key, layer) -> leaf shared by the window's consumers
+        self.state_leaves: dict = {}
+        self.backward_passes = 0    # autograd traversals of the producer graph (its embedding output)
+
+    def complete(self, key, layer, computed):
+        # A recomputation in backward (activation checkpointing) must not replace the forward's tensors.
+        self.tensors.setdefault((key, layer), computed)
+        return computed
+
+    def record_states(self, layer, states):
+        self.states.setdefault(layer, states)
+
+    def started(self, embedded):
+        if embedded.requires_grad:
+            embedded.register_hook(self._count)
+
+    def _count(self, grad):
+        self.backward_passes += 1
+
+    def leaf(self, key: str, layer: int) -> torch.Tensor:
+        found = self.leaves.get((key, layer))
+        if found is None:
+            tensor = self.tensors[(key, layer)]
+            found = self.leaves[(key, layer)] = tensor.detach().requires_grad_(tensor.requires_grad)
+        return found
+
+    def state_leaves_of(self, layer: int) -> list:
+        found = self.state_leaves.get(layer)
+        if found is None:
+            found = self.state_leaves[layer] = [s.detach().requires_grad_(s.requires_grad) for s in self.states[layer]]
+        return found
+
+    def backward(self) -> None:
+        """One backward through the producer graph with every interface gradient the consumers left."""
+        outputs, grads = [], []
+        pairs = [(self.tensors[key], leaf) for key, leaf in self.leaves.items()]
+        for layer, leaves in self.state_leaves.items():
+            pairs += list(zip(self.states[layer], leaves))
+        for tensor, leaf in pairs:
+            if leaf.grad is not None and tensor.requires_grad:
+                outputs.append(tensor)
+                grads.append(leaf.grad)
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        self.release()
+
+    def release(self) -> None:
+        self.tensors.clear()
+        self.states.clear()
+        self.leaves.clear()
+        self.state_leaves.clear()
+
+
+class ConsumerView(RowSource):
+    """A consumer's decoder: cached rows read from its producer's leaves, the rest computed."""
+
+    def __init__(self, producer: ProducerRecord, cached: CachedRows) -> None:
+        self.producer = producer
+        self.cached = cached
+
+    def complete(self, key, layer, computed):
+        """`computed` None: the consumer computes no row (all its rows are cached)."""
+        source = self.producer.leaf(key, layer).index_select(0, self.cached.cached_source)
+        if computed is not None:
+            source = torch.cat([source, computed])
+        return source.index_select(0, self.cached.complete_index)
+
+    def layers_with(self, key: str) -> list[int]:
+        """Layers whose producer recorded `key` (e.g. the MoE layers, for "router_logits")."""
+        return sorted(layer for k, layer in self.producer.tensors if k == key)
+
+    def start_states(self, layer):
+        return self.producer.state_leaves_of(layer)

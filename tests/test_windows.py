@@ -1,0 +1,144 @@
+"""Sharing windows at run time (`--levels l1+l2`): producer forward, consumers on uncached rows,
+one producer backward per window.
+
+References: the same plan run with windows off (every consumer on its
+complete layout, nothing reused) and the Hugging Face model run per
+trajectory. A producer's backward passes are counted by an autograd hook on
+its first tensor, so "once" is measured, not asserted by construction.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from harts.compiler.ir.trajectories import TrajectoryBatch
+from harts.compiler.pipeline import CompileOptions, compile_batch
+from harts.executor.layout import build_layout, consumer_layout
+from harts.executor.losses import LossConfig
+from harts.executor.runtime import run_step
+from harts.tools.check import check_plan
+
+from fidelity import (VOCAB, boundary_tree, gradient_floor, hf_reference, relative_error, tiny_kimi_linear,
+                      tiny_qwen3_next)
+
+
+def two_trees() -> list[list[int]]:
+    """Two boundary trees: forks on, before and after chunk boundaries, duplicates, strict prefixes."""
+    return boundary_tree(np.random.default_rng(0)) + boundary_tree(np.random.default_rng(5))
+
+
+def compile_windows(lists, *, capacity=250, chunk_size=64, dp=1, advantages=None):
+    batch = TrajectoryBatch.from_token_lists(lists, advantages=advantages)
+    plan = compile_batch(batch, CompileOptions(levels="l1+l2", capacity=capacity, chunk_size=chunk_size, dp=dp,
+                                               verify=True)).plan
+    check_plan(plan, batch.tokens, batch.token_offsets)
+    return plan
+
+
+@pytest.fixture(scope="module")
+def kimi():
+    return tiny_kimi_linear()
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return tiny_qwen3_next()
+
+
+def assert_same_step(got, want, what: str) -> None:
+    assert abs(got.loss - want.loss) <= 1e-5 * max(1.0, abs(want.loss)), what
+    assert abs(got.moe_aux_loss - want.moe_aux_loss) <= 1e-6, what
+    assert abs(got.moe_z_loss - want.moe_z_loss) <= 1e-5, what
+    for layer, load in want.moe_load.items():
+        np.testing.assert_array_equal(got.moe_load[layer], load, err_msg=what)
+    for key, lp in want.logprobs.items():
+        assert np.nanmax(np.abs(got.logprobs[key] - lp)) <= 1e-5, (what, key)
+    floor = gradient_floor(want.grads)
+    worst = max((relative_error(got.grads[name], grad, floor), name) for name, grad in want.grads.items())
+    assert worst[0] <= 1e-4, (what, worst)
+
+
+@pytest.mark.parametrize("chunk_size,dp", [(64, 1), (16, 2)])
+def test_windows_give_the_gradients_of_running_every_consumer_without_reuse(kimi, chunk_size, dp):
+    rng = np.random.default_rng(3)
+    lists = two_trees()
+    plan = compile_windows(lists, chunk_size=chunk_size, dp=dp, advantages=rng.normal(size=len(lists)))
+    assert plan.producers, "the workload must give windows something to share"
+    for loss in (LossConfig("nll", moe_aux_coef=0.01, moe_z_coef=0.001), LossConfig("grpo")):
+        reuse = run_step(plan, kimi, loss=loss)
+        alone = run_step(plan, kimi, loss=loss, windows=False)
+        assert_same_step(reuse, alone, loss.kind)
+        # Each producer ran once and its graph was traversed by exactly one backward pass.
+        assert reuse.producers_run == len(plan.producers)
+        assert reuse.producer_backward_passes == reuse.producers_run
+        assert alone.producers_run == 0
+        decoder = sum(len(p["row_token"]) for p in plan.producers) + sum(
+            int(np.count_nonzero(np.asarray(mb["row_cached_by"]) < 0)) for mb in plan.microbatches)
+        assert reuse.rows == decoder < alone.rows
+
+
+def test_windows_match_the_hugging_face_model_run_per_trajectory(kimi):
+    lists = two_trees()
+    plan = compile_windows(lists)
+    result = run_step(plan, kimi)
+    want_logprobs, want_grads = hf_reference(kimi, lists)
+    for i, want in enumerate(want_logprobs):
+        assert np.max(np.abs(result.logprobs[str(i)][1:] - want)) <= 1e-5, f"trajectory {i}"
+    floor = gradient_floor(want_grads)
+    worst = max((relative_error(result.grads[n], g, floor), n) for n, g in want_grads.items())
+    assert worst[0] <= 1e-4, worst
+
+
+def test_windows_on_qwen3_next_match_no_reuse(qwen):
+    plan = compile_windows(two_trees(), chunk_size=16)
+    loss = LossConfig("nll", moe_aux_coef=0.01, moe_z_coef=0.001)
+    assert_same_step(run_step(plan, qwen, loss=loss), run_step(plan, qwen, loss=loss, windows=False), "qwen3-next")
+
+
+def test_recomputation_keeps_window_gradients_and_the_single_producer_backward(kimi):
+    plan = compile_windows(two_trees(), chunk_size=16)
+    plain = run_step(plan, kimi)
+    recomputed = run_step(plan, kimi, recompute=True)
+    assert recomputed.producer_backward_passes == recomputed.producers_run == len(plan.producers)
+    assert_same_step(recomputed, plain, "recompute")
+
+
+def test_forward_only_runs_producers_without_backward(kimi):
+    plan = compile_windows(two_trees())
+    result = run_step(plan, kimi, backward=False)
+    alone = run_step(plan, kimi, backward=False, windows=False)
+    assert result.producers_run == len(plan.producers) and result.producer_backward_passes == 0
+    for key, lp in alone.logprobs.items():
+        assert np.nanmax(np.abs(result.logprobs[key] - lp)) <= 1e-5
+
+
+def test_a_consumer_whose_rows_are_all_cached_still_gets_its_logprobs(kimi):
+    """A strict prefix alone in its consumer: every row it has comes from the producer."""
+    rng = np.random.default_rng(7)
+    stem = list(rng.integers(3, VOCAB, 26))
+    tail = lambda n: list(rng.integers(3, VOCAB, n))   # noqa: E731
+    lists = [stem[:11] + tail(17), stem[:15], stem[:24], stem[:17] + tail(14), stem[:16] + tail(15),
+             stem[:16] + tail(16)]
+    plan = compile_windows(lists, capacity=33, chunk_size=8, dp=2)
+    assert any(np.all(np.asarray(mb["row_cached_by"]) >= 0) for mb in plan.microbatches)
+    reuse, alone = run_step(plan, kimi), run_step(plan, kimi, windows=False)
+    assert_same_step(reuse, alone, "all cached")
+
+
+def test_consumer_layout_runs_only_uncached_rows():
+    plan = compile_windows(two_trees())
+    offsets = plan.step["token_offsets"]
+    for mb in plan.microbatches:
+        complete = build_layout(mb, offsets, 64)
+        layout = build_layout(mb, offsets, 64, windows=True)
+        uncached = np.flatnonzero(np.asarray(mb["row_cached_by"]) < 0)
+        if len(uncached) == len(mb["row_token"]):
+            assert layout.decoder_rows is None
+            continue
+        np.testing.assert_array_equal(layout.decoder_rows.numpy(), uncached)
+        assert layout.views.num_queries == len(uncached)
+        # Everything the LM head and the loss read is unchanged.
+        np.testing.assert_array_equal(layout.position_row.numpy(), complete.position_row.numpy())
+        assert layout.row_weight.sum() == complete.row_weight.sum()
+        with pytest.raises(KeyError):
+            consumer_layout(complete, {"row_cached_by": mb["row_cached_by"]})
