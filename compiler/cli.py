@@ -30,10 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", type=int, default=65536, help="compact-token capacity T per microbatch (default 65536)")
     p.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk length B; must match the model backend (default 64)")
     p.add_argument("--planner", choices=PLANNERS, default="harts", help="harts: two-level planner (default); ffd: OR-Tools+FFD comparison")
-    p.add_argument("--levels", choices=LEVELS, default="l1",
-                   help="l1: stop after L1 microbatches (default until `harts run` executes windows); "
-                        "l1+l2: add sharing windows and producers (the executor still runs each consumer's "
-                        "complete layout, so results are exact but the producers' reuse is not realised yet)")
+    p.add_argument("--levels", choices=LEVELS, default=None,
+                   help="l1+l2: L1 microbatches, then sharing windows whose producers compute prefixes shared "
+                        "across microbatches once (default with --planner harts); l1: stop after L1 "
+                        "(default with --planner ffd)")
     p.add_argument("--ffd-time-budget", type=float, default=10.0, metavar="SECONDS",
                    help="--planner ffd: CP-SAT search budget per DP replica, in CP-SAT deterministic seconds "
                         "(reproducible; wall time is about 1-3x that); the paper's quality runs use 300 (default 10)")

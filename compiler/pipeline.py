@@ -45,7 +45,7 @@ class CompileOptions:
     capacity: int = 65536      # compact-token capacity T of one microbatch
     chunk_size: int = 64       # linear-attention chunk length B (must match the model backend)
     planner: str = "harts"     # "harts" (two-level) or "ffd" (OR-Tools+FFD comparison)
-    levels: str = "l1"         # "l1" stops after L1; "l1+l2" adds sharing windows
+    levels: str | None = None  # "l1" stops after L1; "l1+l2" adds sharing windows; None: the planner's default
     seed: int = 0              # seed of any randomised search (the current passes are deterministic)
     vocab_size: int | None = None  # reject tokens >= vocab_size when given
     verify: bool = False       # verify the IR after every pass
@@ -53,10 +53,17 @@ class CompileOptions:
     ffd_first_feasible: bool = False  # --planner ffd: stop each replica's search at its first solution
     ffd_shard: str = "subtree"      # --planner ffd: FFD shard unit, "subtree" (whole rollout subtrees) or "trajectory"
 
+    @property
+    def effective_levels(self) -> str:
+        """Two levels for the harts planner (the contract's default); L1 only for ffd, which has no windows."""
+        if self.levels is not None:
+            return self.levels
+        return "l1" if self.planner == "ffd" else "l1+l2"
+
     def flags(self) -> dict:
         """The flags recorded in the plan header (everything that changes the plan)."""
         return {"dp": self.dp, "capacity": self.capacity, "chunk_size": self.chunk_size,
-                "planner": self.planner, "levels": self.levels, "seed": self.seed,
+                "planner": self.planner, "levels": self.effective_levels, "seed": self.seed,
                 "vocab_size": self.vocab_size, "ffd_time_budget": self.ffd_time_budget,
                 "ffd_first_feasible": self.ffd_first_feasible, "ffd_shard": self.ffd_shard}
 
@@ -122,9 +129,9 @@ def member_lcps(trie: TrieIR, members: np.ndarray) -> np.ndarray:
 def check_options(options: CompileOptions) -> None:
     if options.planner not in PLANNERS:
         raise PassFailedError("options", f"unknown planner '{options.planner}'", f"use one of {', '.join(PLANNERS)}")
-    if options.levels not in LEVELS:
+    if options.effective_levels not in LEVELS:
         raise PassFailedError("options", f"unknown levels '{options.levels}'", f"use one of {', '.join(LEVELS)}")
-    if options.levels == "l1+l2" and options.planner == "ffd":
+    if options.effective_levels == "l1+l2" and options.planner == "ffd":
         raise PassFailedError("options", "planner 'ffd' with levels 'l1+l2' is not implemented: the OR-Tools+FFD "
                               "comparison planner has no sharing windows",
                               "use --planner harts --levels l1+l2, or --planner ffd --levels l1")
@@ -166,7 +173,7 @@ def compile_batch(batch: TrajectoryBatch, options: CompileOptions, progress=None
         verify_partition(trie.lengths, trie.lcp, partition, options.capacity, options.dp)
 
     placement = None
-    if options.levels == "l1+l2":
+    if options.effective_levels == "l1+l2":
         placement = timed("place-windows", place_windows, trie, partition, capacity=options.capacity,
                           dp=options.dp, options=L2Options(seed=options.seed))
         if options.verify:

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-replay", action="store_true",
                    help="hand over the exact fork state instead of replaying from the chunk anchor (ablation; "
                         "runs the node-wise call tables)")
+    p.add_argument("--no-windows", action="store_true",
+                   help="run every consumer of an L1+L2 plan on its complete layout, without its window "
+                        "producer's reuse (baseline; same results)")
     p.add_argument("--loss", choices=LOSSES, default="nll", help="objective (default nll: token-mean NLL)")
     p.add_argument("--reduction", choices=REDUCTIONS, default="token-mean",
                    help="how per-position terms reduce over the step (default token-mean: divide by the step's "
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             group = distributed.init_data_parallel(int(plan.flags["dp"]))
             selected, primary = distributed.microbatches_of_replica(plan, group.rank), group.is_primary
         result = run_step(plan, model, mode=mode, loss=loss, backward=not args.forward_only,
-                          recompute=args.recompute, microbatches=selected,
+                          recompute=args.recompute, microbatches=selected, windows=not args.no_windows,
                           progress=terminal_progress if primary else None)
         if selected is not None:
             distributed.all_reduce_result(result, model)
@@ -122,11 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     original = int(plan.step["original_tokens"])
     summary = {"mode": mode, "loss": result.loss, "objective": result.objective, "moe_aux_loss": result.moe_aux_loss, "moe_z_loss": result.moe_z_loss,
-               "original_tokens": original, "decoder_rows": result.rows, "seconds": result.seconds,
+               "original_tokens": original, "decoder_rows": result.rows, "window_producers": result.producers_run,
+               "seconds": result.seconds,
                "tokens_per_second": original / result.seconds if result.seconds else 0.0}
     if args.json:
         print(json.dumps(summary, sort_keys=True))
-    print(f"harts run: {mode}: loss {result.loss:.6f}, {original} tokens through {result.rows} decoder rows in "
+    windows = f" ({result.producers_run} window producers)" if result.producers_run else ""
+    print(f"harts run: {mode}: loss {result.loss:.6f}, {original} tokens through {result.rows} decoder rows{windows} in "
           f"{result.seconds:.2f}s ({summary['tokens_per_second']:.0f} tokens/s)", file=sys.stderr)
     return 0
 

@@ -112,9 +112,10 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
 
 
 def run(plan: Plan, model, *, loss: str | LossConfig = "nll", mode: str = "compact",
-        backward: bool = True, recompute: bool = False) -> StepResult:
+        backward: bool = True, recompute: bool = False, windows: bool = True) -> StepResult:
     """Run the step on `model`. The parameters' `.grad` are zeroed first and then hold the
     gradient of the step's objective (as one backward over the whole step would leave them);
-    to accumulate over several plans, copy or sum `result.grads` between calls."""
+    to accumulate over several plans, copy or sum `result.grads` between calls. `windows`
+    False runs every consumer of a two-level plan without its producer's reuse."""
     config = LossConfig(kind=loss) if isinstance(loss, str) else loss
-    return run_step(plan, model, mode=mode, loss=config, backward=backward, recompute=recompute)
+    return run_step(plan, model, mode=mode, loss=config, backward=backward, recompute=recompute, windows=windows)

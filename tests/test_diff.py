@@ -30,12 +30,13 @@ def plans(tmp_path_factory):
     folder = tmp_path_factory.mktemp("diff")
     trees = folder / "trees.jsonl"
     gen.write_jsonl(gen.generate(WORKLOAD), trees)
+    # L1 plans: L1 keeps its microbatches whatever D is, which the placement test relies on.
     flags = {"dp2": ["--dp", "2", "--capacity", "700"], "dp4": ["--dp", "4", "--capacity", "700"],
              "dp4_again": ["--dp", "4", "--capacity", "700"], "dp4_small": ["--dp", "4", "--capacity", "600"]}
     paths = {}
     for name, extra in flags.items():
         paths[name] = folder / f"{name}.plan"
-        assert hartsc_main([str(trees), "-o", str(paths[name]), "--chunk-size", "16", *extra]) == 0
+        assert hartsc_main([str(trees), "-o", str(paths[name]), "--chunk-size", "16", "--levels", "l1", *extra]) == 0
     return paths
 
 

@@ -18,9 +18,9 @@ from harts.compiler.read_trees import read_trees
 GOLDEN = Path(__file__).parent / "golden"
 CASES = {
     # name: (input, options)
-    "forks-b4": ("forks.jsonl", CompileOptions(chunk_size=4, capacity=64, verify=True)),
-    "forks-b2-dp2": ("forks.jsonl", CompileOptions(chunk_size=2, capacity=24, dp=2, verify=True)),
-    "stepwise-b3": ("stepwise.jsonl", CompileOptions(chunk_size=3, capacity=32, verify=True)),
+    "forks-b4": ("forks.jsonl", CompileOptions(chunk_size=4, capacity=64, levels="l1", verify=True)),
+    "forks-b2-dp2": ("forks.jsonl", CompileOptions(chunk_size=2, capacity=24, dp=2, levels="l1", verify=True)),
+    "stepwise-b3": ("stepwise.jsonl", CompileOptions(chunk_size=3, capacity=32, levels="l1", verify=True)),
 }
 
 

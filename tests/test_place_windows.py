@@ -152,7 +152,7 @@ def test_same_input_gives_identical_bytes_and_survives_the_file(tmp_path):
 def test_l1_plans_have_no_producers_and_keep_their_bytes():
     lists = [[1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 2, 3, 4, 5, 6], [7, 7]]
     batch = TrajectoryBatch.from_token_lists(lists)
-    plan = compile_batch(batch, CompileOptions(chunk_size=2, capacity=16)).plan
+    plan = compile_batch(batch, CompileOptions(chunk_size=2, capacity=16, levels="l1")).plan
     assert plan.producers is None and all("window" not in mb for mb in plan.microbatches)
     stats = plan_statistics(plan)
     assert stats["windows"] == 0 and stats["decoder_tokens"] == stats["compact_tokens"]
@@ -248,6 +248,10 @@ def _mutable(plan):
     ("row used once", "every producer row is used by at least two consumers"),
     ("no producer", "every cached row is produced in its window on its replica"),
     ("windows start late", "windows tile the slots"),
+    ("uncached row skipped", "every uncached row is computed exactly once"),
+    ("anchor off the grid", "starts at its chunk-aligned anchor"),
+    ("producer state dropped", "only a sequence at position 0 starts from zero"),
+    ("producer state at the wrong row", "a producer state is taken after the cached row above the anchor"),
 ], ids=lambda v: v.replace(" ", "-") if isinstance(v, str) else v)
 def test_check_names_each_broken_window_invariant(windowed, breakage, invariant):
     batch, result = windowed
@@ -272,6 +276,19 @@ def test_check_names_each_broken_window_invariant(windowed, breakage, invariant)
     elif breakage == "windows start late":
         for other in plan.microbatches:
             other["window"] += 1
+    else:
+        external = int(np.flatnonzero(mb["residual_sequence_producer_state"] >= 0)[0])
+        if breakage == "uncached row skipped":
+            mb["residual_sequence_replay"][external] += 1
+        elif breakage == "anchor off the grid":
+            mb["residual_sequence_start_position"][external] += 1
+        elif breakage == "producer state dropped":
+            mb["residual_sequence_producer_state"][external] = -1
+        else:
+            producer = next(p for p in plan.producers if p["window"] == mb["window"] and p["replica"] == mb["replica"])
+            assert len(producer["export_row"]) >= 2, "the fixture's producer must export two states"
+            state = mb["residual_sequence_producer_state"]
+            state[external] = (state[external] + 1) % len(producer["export_row"])
     with pytest.raises(VerificationError) as err:
         check_plan(plan, batch.tokens, batch.token_offsets)
     assert invariant in err.value.invariant, err.value.invariant

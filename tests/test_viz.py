@@ -35,9 +35,10 @@ def plans(tmp_path_factory):
     trees = folder / "trees.jsonl"
     gen.write_jsonl(gen.generate(WORKLOAD), trees)
     paths = {"l1": folder / "l1.plan", "dp4": folder / "dp4.plan"}
-    assert hartsc_main([str(trees), "-o", str(paths["l1"]), "--chunk-size", "16", "--capacity", "2048"]) == 0
+    assert hartsc_main([str(trees), "-o", str(paths["l1"]), "--chunk-size", "16", "--capacity", "2048",
+                        "--levels", "l1"]) == 0
     assert hartsc_main([str(trees), "-o", str(paths["dp4"]), "--dp", "4", "--capacity", "700",
-                        "--chunk-size", "16"]) == 0
+                        "--chunk-size", "16", "--levels", "l1"]) == 0
     return paths
 
 

@@ -142,3 +142,30 @@ def test_consumer_layout_runs_only_uncached_rows():
         assert layout.row_weight.sum() == complete.row_weight.sum()
         with pytest.raises(KeyError):
             consumer_layout(complete, {"row_cached_by": mb["row_cached_by"]})
+
+
+def test_hartsc_defaults_to_windows_and_harts_run_realises_them(tmp_path, capsys):
+    """As a user runs it: the default plan has producers; `--no-windows` is the same step without reuse."""
+    import json
+
+    from harts.cli import main as harts
+    from harts.compiler.cli import main as hartsc
+
+    trees = tmp_path / "trees.jsonl"
+    trees.write_text("".join(json.dumps({"id": i, "tokens": [int(t) for t in tokens]}) + "\n"
+                             for i, tokens in enumerate(two_trees())))
+    assert harts(["init-model", "--preset", "tiny", "--vocab-size", str(VOCAB), "-o", str(tmp_path / "model")]) == 0
+    assert hartsc([str(trees), "-o", str(tmp_path / "step.plan"), "--capacity", "250", "--chunk-size", "16"]) == 0
+    summaries, logprobs = {}, {}
+    for name, flags in (("windows", []), ("alone", ["--no-windows"])):
+        capsys.readouterr()
+        out = tmp_path / f"{name}.npz"
+        assert harts(["run", str(tmp_path / "step.plan"), "--model", str(tmp_path / "model"), "--json",
+                      "--logprobs-out", str(out), *flags]) == 0
+        summaries[name] = json.loads(capsys.readouterr().out)
+        logprobs[name] = np.load(out)
+    assert summaries["windows"]["window_producers"] > 0 == summaries["alone"]["window_producers"]
+    assert summaries["windows"]["decoder_rows"] < summaries["alone"]["decoder_rows"]
+    assert abs(summaries["windows"]["loss"] - summaries["alone"]["loss"]) <= 1e-5
+    for key in logprobs["alone"].files:
+        np.testing.assert_allclose(logprobs["windows"][key][1:], logprobs["alone"][key][1:], atol=1e-5)

@@ -23,7 +23,11 @@ witness that a plan is legal:
   same token and position whose parent is the producer row of the consumer
   row's parent; cached rows are prefix-closed (a cached row's parent is
   cached) and map to distinct producer rows; every producer row is used by at
-  least two consumers.
+  least two consumers; each consumer's decoder-row calls (``residual_*``)
+  compute every uncached row exactly once and no cached row, as parent chains
+  from a chunk-aligned anchor, starting from zero at position 0, an earlier
+  export of its own after the row above the anchor, or its producer's export
+  after that (cached) row.
 """
 from __future__ import annotations
 
@@ -266,6 +270,81 @@ def check_windows(plan: Plan, dp: int, capacity: int, chunk_size: int) -> None:
         if np.any(count < 2):
             fail(f"producer {p}", "every producer row is used by at least two consumers",
                  f"row {int(np.flatnonzero(count < 2)[0])} is used by {int(count.min())}")
+    for i, mb in enumerate(microbatches):
+        p = producer_at.get((int(mb["replica"]), int(mb["window"])))
+        check_residual(i, mb, plan.producers[p] if p is not None else None, chunk_size)
+
+
+def check_residual(i: int, mb: dict, producer: dict | None, chunk_size: int) -> None:
+    """A consumer's decoder-row calls compute every uncached row once, on its trajectory's chunk grid,
+    from a zero state at position 0, an earlier export of its own, or its producer's state at the anchor."""
+    keys = ("residual_sequence_round", "residual_sequence_token_offsets", "residual_token_rows",
+            "residual_sequence_replay", "residual_sequence_start_position", "residual_sequence_start_state",
+            "residual_sequence_producer_state", "residual_export_sequence", "residual_export_chunk")
+    if any(key not in mb for key in keys):
+        fail(i, "a consumer has its decoder-row calls", "a residual_* table is missing")
+    B = chunk_size
+    cached_by = np.asarray(mb["row_cached_by"], dtype=np.int64)
+    parent = np.asarray(mb["row_parent"], dtype=np.int64)
+    position = np.asarray(mb["row_position"], dtype=np.int64)
+    offsets = np.asarray(mb["residual_sequence_token_offsets"], dtype=np.int64)
+    tokens = np.asarray(mb["residual_token_rows"], dtype=np.int64)
+    replay = np.asarray(mb["residual_sequence_replay"], dtype=np.int64)
+    rounds = np.asarray(mb["residual_sequence_round"], dtype=np.int64)
+    anchor = np.asarray(mb["residual_sequence_start_position"], dtype=np.int64)
+    own_state = np.asarray(mb["residual_sequence_start_state"], dtype=np.int64)
+    producer_state = np.asarray(mb["residual_sequence_producer_state"], dtype=np.int64)
+    export_sequence = np.asarray(mb["residual_export_sequence"], dtype=np.int64)
+    export_chunk = np.asarray(mb["residual_export_chunk"], dtype=np.int64)
+    Q = len(rounds)
+    if len(offsets) != Q + 1 or offsets[0] != 0 or offsets[-1] != len(tokens) or np.any(np.diff(offsets) < 1):
+        fail(i, "residual sequences tile their token list", "offsets do not")
+    lengths = np.diff(offsets)
+    if np.any(replay < 0) or np.any(replay > lengths):
+        fail(i, "a residual sequence replays part of its tokens", "replay count out of range")
+    if len(tokens) and (tokens.min() < 0 or tokens.max() >= len(cached_by)):
+        fail(i, "residual token rows are consumer rows", "row index out of range")
+    outputs = expand(offsets[:-1] + replay, lengths - replay)
+    produced = np.bincount(tokens[outputs], minlength=len(cached_by))
+    if np.any(produced != (cached_by < 0)):
+        row = int(np.flatnonzero(produced != (cached_by < 0))[0])
+        fail(i, "every uncached row is computed exactly once, no cached row is", f"row {row} is output "
+             f"{int(produced[row])} times (cached: {bool(cached_by[row] >= 0)})")
+    first = tokens[offsets[:-1]]
+    inner = np.ones(len(tokens), dtype=bool)
+    inner[offsets[:-1]] = False
+    if np.any(parent[tokens[inner]] != tokens[np.flatnonzero(inner) - 1]):
+        fail(i, "a residual sequence is a parent chain", "a token row's parent is not the token before it")
+    if np.any(anchor % B != 0) or np.any(position[first] != anchor):
+        fail(i, "a residual sequence starts at its chunk-aligned anchor", "first row off the anchor")
+    if np.any((own_state >= 0) & (producer_state >= 0)):
+        fail(i, "a residual sequence has one start state", "both its own and a producer state")
+    zero = (own_state < 0) & (producer_state < 0)
+    if np.any(anchor[zero] != 0):
+        fail(i, "only a sequence at position 0 starts from zero", "a sequence above 0 has no state")
+    key_row = parent[first]   # the state a sequence starts from is the one after the row above its anchor
+    has_own = np.flatnonzero(own_state >= 0)
+    if len(has_own):
+        e = own_state[has_own]
+        if e.max() >= len(export_sequence):
+            fail(i, "a residual start state is an export", "index out of range")
+        source = export_sequence[e]
+        if np.any(rounds[source] >= rounds[has_own]):
+            fail(i, "a residual state is exported in an earlier round", "same or later round")
+        end = offsets[source] + export_chunk[e] * B - 1
+        if np.any(export_chunk[e] < 1) or np.any(end >= offsets[source + 1]) or np.any(tokens[end] != key_row[has_own]):
+            fail(i, "a residual state is exported after the row above the anchor", "export at the wrong row")
+    has_producer = np.flatnonzero(producer_state >= 0)
+    if len(has_producer):
+        if producer is None:
+            fail(i, "a producer state comes from the window's producer", "no producer for this window")
+        export_row = np.asarray(producer["export_row"], dtype=np.int64)
+        if producer_state[has_producer].max() >= len(export_row):
+            fail(i, "a producer state is one of its exports", "index out of range")
+        above = key_row[has_producer]
+        if np.any(above < 0) or np.any(cached_by[above] < 0) or np.any(
+                export_row[producer_state[has_producer]] != cached_by[above]):
+            fail(i, "a producer state is taken after the cached row above the anchor", "export at the wrong row")
 
 
 def main(argv: list[str] | None = None) -> int:
