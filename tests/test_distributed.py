@@ -16,6 +16,7 @@ from safetensors.numpy import load_file
 
 from harts.cli import main as harts
 from harts.compiler.cli import main as hartsc
+from harts.schema.plan import read_plan
 
 
 def free_port() -> int:
@@ -32,8 +33,10 @@ def test_two_ranks_give_the_single_process_gradients(tmp_path):
                 "advantages": float(rng.normal())} for i in range(8)]
     (tmp_path / "trees.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert harts(["init-model", "--vocab-size", "64", "-o", str(tmp_path / "model")]) == 0
+    # Capacity 50: two consumers per replica in one window, so each rank runs its own producer.
     assert hartsc([str(tmp_path / "trees.jsonl"), "-o", str(tmp_path / "step.plan"), "--dp", "2",
-                   "--capacity", "80", "--chunk-size", "4"]) == 0
+                   "--capacity", "50", "--chunk-size", "4"]) == 0
+    assert len(read_plan(tmp_path / "step.plan").producers) == 2
     common = [str(tmp_path / "step.plan"), "--model", str(tmp_path / "model"), "--loss", "grpo"]
     assert harts(["run", *common, "--logprobs-out", str(tmp_path / "one.npz"),
                   "--grads-out", str(tmp_path / "one.safetensors")]) == 0
