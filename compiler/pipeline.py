@@ -3,10 +3,13 @@
     build-trie -> partition-microbatches (L1) -> per microbatch:
         build-layout -> assign-rounds -> plan-replay -> lower
 
-With `--levels l1+l2`, place-windows (L2) runs after L1: it fixes the final
-consumers, their (replica, slot), the sharing windows and one producer per
-(window, replica); each producer is then laid out, scheduled and lowered like
-a microbatch, and every consumer records which of its rows a producer computes.
+With `--levels l1+l2` (the default of the harts planner), place-windows (L2)
+runs after L1: it fixes the final consumers, their (replica, slot), the
+sharing windows and one producer per (window, replica); each producer is then
+laid out and scheduled like a microbatch, every consumer records which of its
+rows a producer computes, plan-residual schedules the linear attention of the
+rows the consumer still computes, and each producer is lowered exporting, on
+top of its own handoffs, every anchor state its consumers start from.
 
 With `CompileOptions.verify` every pass's result is checked by its `verify`
 function right after it runs (tests and `hartsc --debug`).
