@@ -97,7 +97,7 @@ def main() -> None:
     for kind in args.kinds.split(","):
         batch = build_batch(args.preset, kind)
         for dp in (int(d) for d in args.dp.split(",")):
-            base = CompileOptions(dp=dp, capacity=args.capacity, chunk_size=args.chunk_size)
+            base = CompileOptions(dp=dp, capacity=args.capacity, chunk_size=args.chunk_size, levels="l1")
             rows = {"L1": run(batch, base), "L1+L2": run(batch, dataclasses.replace(base, levels="l1+l2"))}
             if not args.no_ffd:
                 rows["FFD"] = run(batch, ffd_options(base, args.ffd_budget))

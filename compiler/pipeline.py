@@ -203,7 +203,7 @@ def compile_batch(batch: TrajectoryBatch, options: CompileOptions, progress=None
 
     microbatches: list[MicrobatchIR] = []
     records: list[dict] = []
-    residuals: list[tuple[dict, int, ResidualPlan]] = []   # (consumer record, producer, its residual plan)
+    residuals: list[tuple[dict, int, ResidualPlan]] = []   # (consumer with cached rows, its producer, its calls)
     # Memory order of microbatches: by slot, then replica, as the executor runs them.
     run_order = np.lexsort((replica_of, slot_of))
     ordered = run_order.tolist()
@@ -230,12 +230,13 @@ def compile_batch(batch: TrajectoryBatch, options: CompileOptions, progress=None
             record["row_cached_by"] = timed(
                 "lower", lower_cached_rows, layout, replay, placement.cached_prefix[k],
                 producer.layout if producer else None, producer.replay if producer else None, serving)
-            residual = timed("plan-residual", plan_residual, layout, replay, record["row_cached_by"],
-                             options.chunk_size)
-            if options.verify:
-                verify_residual(residual, record["row_cached_by"], record["row_parent"], record["row_position"],
-                                options.chunk_size)
-            residuals.append((record, -1 if source is None else source, residual))
+            if np.any(record["row_cached_by"] >= 0):   # else it runs its complete layout's own calls
+                residual = timed("plan-residual", plan_residual, layout, replay, record["row_cached_by"],
+                                 options.chunk_size)
+                if options.verify:
+                    verify_residual(residual, record["row_cached_by"], record["row_parent"],
+                                    record["row_position"], options.chunk_size)
+                residuals.append((record, source, residual))
         records.append(record)
         microbatches.append(MicrobatchIR(layout, schedule, replay))
 
@@ -256,8 +257,7 @@ def compile_batch(batch: TrajectoryBatch, options: CompileOptions, progress=None
                                       prefix_trajectory=trie.order[positions],
                                       prefix_length=placement.producer_lengths[cell]))
     for record, source, residual in residuals:
-        producer_export_row = producers[source].replay.export_row if source >= 0 else np.zeros(0, np.int64)
-        record.update(lower_residual(residual, record["row_cached_by"], producer_export_row))
+        record.update(lower_residual(residual, record["row_cached_by"], producers[source].replay.export_row))
 
     header = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "flags": options.flags(),
               "compiler": COMPILER_NAME}

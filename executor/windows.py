@@ -96,9 +96,9 @@ class ProducerRecord(RowSource):
                 grads.append(leaf.grad)
         if outputs:
             torch.autograd.backward(outputs, grads)
-        self.release()
 
     def release(self) -> None:
+        """Drop the window's graph, caches and gradient buffers."""
         self.tensors.clear()
         self.states.clear()
         self.leaves.clear()

@@ -51,7 +51,8 @@ microbatches[i]
     parent, and a cached row's parent is cached (cached rows are
     prefix-closed). Consumers keep their complete layouts for the LM head and
     the loss; only rows with -1 run through the decoder, with these
-    linear-attention calls (all rows are the consumer's, memory order):
+    linear-attention calls (only in consumers with cached rows; all rows are
+    the consumer's, memory order):
     ``residual_num_rounds``, ``residual_sequence_round`` int32[Q'],
     ``residual_sequence_token_offsets`` int64[Q'+1] into
     ``residual_token_rows`` int64[N'] (per sequence its replay rows, then its

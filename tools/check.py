@@ -271,8 +271,9 @@ def check_windows(plan: Plan, dp: int, capacity: int, chunk_size: int) -> None:
             fail(f"producer {p}", "every producer row is used by at least two consumers",
                  f"row {int(np.flatnonzero(count < 2)[0])} is used by {int(count.min())}")
     for i, mb in enumerate(microbatches):
-        p = producer_at.get((int(mb["replica"]), int(mb["window"])))
-        check_residual(i, mb, plan.producers[p] if p is not None else None, chunk_size)
+        if np.any(np.asarray(mb["row_cached_by"]) >= 0):
+            p = producer_at.get((int(mb["replica"]), int(mb["window"])))
+            check_residual(i, mb, plan.producers[p] if p is not None else None, chunk_size)
 
 
 def check_residual(i: int, mb: dict, producer: dict | None, chunk_size: int) -> None:
