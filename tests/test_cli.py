@@ -90,6 +90,9 @@ def test_console_scripts_run_the_demo(tmp_path):
     out = subprocess.run(["harts", "demo", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "compression" in out.stdout and (tmp_path / "step.plan").exists()
+    # The demo's step needs several microbatches, so its windows have something to share.
+    windows = next(line for line in out.stdout.splitlines() if line.startswith("microbatches, sharing windows"))
+    assert int(windows.split()[-1]) >= 1 and "compact with windows" in out.stdout
     check = subprocess.run([sys.executable, "-m", "harts.tools.check", str(tmp_path / "step.plan")],
                            capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stderr

@@ -3,8 +3,12 @@
 1. generate a small SWE-shaped step-wise workload (`harts gen`),
 2. compile it (`hartsc`) and verify the plan against the input (`harts check`),
 3. write a tiny random Kimi Linear model (`harts init-model`),
-4. run the step's forward and backward compact and expanded (`harts run`),
+4. run the step's forward and backward expanded (the baseline), compact on
+   complete layouts, and compact with sharing windows (`harts run`),
 5. print compression, speedup and the largest log-probability difference.
+
+The capacity is small enough that the step needs several microbatches, so
+L2's sharing windows have prefixes to compute once across them.
 
 Everything is written under `--out` (default: a fresh temporary folder).
 """
@@ -28,6 +32,7 @@ DEMO_WORKLOAD = dict(tasks=1, group_size=4, system_prompt_tokens=512, task_token
                      turns_min=4, turns_max=6, action_tokens_median=40.0, tool_tokens_median=120.0,
                      tool_tokens_max=512, context_limit=4096)
 DEMO_VOCAB = 4096
+DEMO_CAPACITY = 2048
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         config = gen.GenConfig(kind=args.kind, vocab_size=DEMO_VOCAB, seed=args.seed, **DEMO_WORKLOAD)
         gen.write_jsonl(gen.generate(config), trees)
         for name, run, step_argv in (
-            ("compile", hartsc.main, [str(trees), "-o", str(plan_path), "--vocab-size", str(DEMO_VOCAB)]),
+            ("compile", hartsc.main, [str(trees), "-o", str(plan_path), "--vocab-size", str(DEMO_VOCAB),
+                                      "--capacity", str(DEMO_CAPACITY)]),
             ("check", check.main, [str(plan_path), "--trees", str(trees)]),
         ):
             code = run(step_argv)
@@ -69,21 +75,29 @@ def run_model(out: Path, plan_path: Path, model_dir: Path, seed: int, started: f
     model = init_model("kimi_linear", "tiny", model_dir, vocab_size=DEMO_VOCAB, seed=seed)
     plan = read_plan(plan_path)
     stats = plan_statistics(plan)
-    runs = {mode: run_step(plan, model, mode=mode) for mode in ("compact", "expanded")}
-    compact, expanded = runs["compact"], runs["expanded"]
-    max_diff = max(float(np.nanmax(np.abs(compact.logprobs[k] - expanded.logprobs[k]))) for k in compact.logprobs)
+    expanded = run_step(plan, model, mode="expanded")
+    compact = run_step(plan, model, mode="compact", windows=False)
+    windows = run_step(plan, model, mode="compact")
+    max_diff = max(float(np.nanmax(np.abs(run.logprobs[k] - expanded.logprobs[k])))
+                   for run in (compact, windows) for k in expanded.logprobs)
     tokens = stats["original_tokens"]
+
+    def timing(run) -> str:
+        return f"{run.seconds:.2f} s ({tokens / run.seconds:,.0f} tokens/s, {expanded.seconds / run.seconds:.2f}x)"
+
     rows = [
         ("trajectories", f"{stats['trajectories']}"),
         ("original tokens", f"{tokens:,}"),
-        ("compact rows", f"{stats['compact_tokens']:,}"),
-        ("compression", f"{stats['compression']:.2f}x"),
+        ("microbatches, sharing windows", f"{stats['microbatches']}, {stats['windows']}"),
+        ("compact rows, compression (L1)", f"{stats['compact_tokens']:,}, {stats['compression']:.2f}x"),
+        ("decoder rows, compression (L2)", f"{stats['decoder_tokens']:,}, {stats['compression_l2']:.2f}x"),
         ("linear-attention rounds (max)", f"{stats['max_rounds']}"),
         ("expanded forward+backward", f"{expanded.seconds:.2f} s ({tokens / expanded.seconds:,.0f} tokens/s)"),
-        ("compact forward+backward", f"{compact.seconds:.2f} s ({tokens / compact.seconds:,.0f} tokens/s)"),
-        ("speedup", f"{expanded.seconds / compact.seconds:.2f}x"),
-        ("max |logprob compact - expanded|", f"{max_diff:.2e}"),
-        ("loss (token-mean NLL)", f"{compact.loss:.6f} compact, {expanded.loss:.6f} expanded"),
+        ("compact, no windows", timing(compact)),
+        ("compact with windows", timing(windows)),
+        ("max |logprob - expanded|", f"{max_diff:.2e}"),
+        ("loss (token-mean NLL)", f"{windows.loss:.6f} windows, {compact.loss:.6f} compact, "
+                                  f"{expanded.loss:.6f} expanded"),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
