@@ -22,7 +22,9 @@ forward + backward of the `nll` loss over the whole step in its own process
   compare it with `compact` (L1 alone) at a capacity that gives several
   microbatches, e.g. `--capacity 4096 --configs compact,windows`.
 
-Throughput is original tokens / wall seconds (compile + forward + backward).
+Throughput is original tokens / wall seconds (compile + forward + backward),
+the median of `--repeat` runs in the configuration's process (the first run
+of a process pays one-time allocator and thread-pool warm-up).
 Targets (issue #3): compact/expanded >= 0.8 x compression; compact >= 1.5 x
 node-wise; expanded no slower than 1.2 x the per-trajectory baseline.
 """
@@ -57,21 +59,33 @@ def generate(workload: str, vocab: int, out: Path) -> None:
     gen.write_jsonl(gen.generate(gen.GenConfig(kind=kind, vocab_size=vocab, seed=0, **overrides)), out)
 
 
-def child(config: str, trees: str, model_dir: str, chunk_size: int, capacity: int) -> None:
-    """Run one configuration and print a JSON line (seconds, rows, peak RSS)."""
+def child(config: str, trees: str, model_dir: str, chunk_size: int, capacity: int, repeat: int) -> None:
+    """Run one configuration `repeat` times and print a JSON line (median seconds, rows, peak RSS)."""
     import numpy as np
     import torch
 
-    from harts.compiler.pipeline import CompileOptions, compile_batch
     from harts.compiler.read_trees import read_trees
     from harts.executor.cli import load_model
-    from harts.executor.models.hf_reference import our_kda_core, trajectory_logprobs
-    from harts.executor.runtime import run_step
 
     torch.manual_seed(0)
     model = load_model(model_dir)
     batch = read_trees(trees)
-    started = time.perf_counter()
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        rows, compression = one_update(config, batch, model, chunk_size, capacity)
+        times.append(time.perf_counter() - started)
+    print(json.dumps({"seconds": float(np.median(times)), "rows": rows, "compression": compression,
+                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "tokens": int(batch.num_tokens)}))
+
+
+def one_update(config: str, batch, model, chunk_size: int, capacity: int) -> tuple[int, float]:
+    """Forward + backward of the whole step (planning included); returns (decoder rows, compression)."""
+    from harts.compiler.pipeline import CompileOptions, compile_batch
+    from harts.executor.models.hf_reference import our_kda_core, trajectory_logprobs
+    from harts.executor.runtime import run_step
+
     if config == "hf-per-trajectory":
         with our_kda_core():
             model.zero_grad(set_to_none=True)
@@ -92,11 +106,7 @@ def child(config: str, trees: str, model_dir: str, chunk_size: int, capacity: in
         # Decoder work: compact rows, or producer plus residual rows with windows.
         decoder_rows = rows if config == "windows" else sum(len(mb["row_token"]) for mb in result.plan.microbatches)
         compression = batch.num_tokens / decoder_rows
-    seconds = time.perf_counter() - started
-    print(json.dumps({"seconds": seconds, "rows": rows, "compression": compression,
-                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "tokens": int(batch.num_tokens)}))
-    del np
+    return rows, compression
 
 
 def main() -> None:
@@ -110,10 +120,12 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=16384,
                         help="microbatch capacity T: compact rows per plan microbatch, original tokens per "
                              "expanded group (default 16384, sized for a CPU)")
-    parser.add_argument("--child", nargs=5, metavar=("CONFIG", "TREES", "MODEL", "B", "T"), help=argparse.SUPPRESS)
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="runs per configuration, in one process; the table shows the median (default 3)")
+    parser.add_argument("--child", nargs=6, metavar=("CONFIG", "TREES", "MODEL", "B", "T", "R"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child[0], args.child[1], args.child[2], int(args.child[3]), int(args.child[4]))
+        child(args.child[0], args.child[1], args.child[2], int(args.child[3]), int(args.child[4]), int(args.child[5]))
         return
 
     from harts.executor.models.init_model import init_model
@@ -130,7 +142,8 @@ def main() -> None:
         results = {}
         for config in args.configs.split(","):
             out = subprocess.run([sys.executable, __file__, "--child", config, str(trees), str(model_dir),
-                                  str(args.chunk_size), str(args.capacity)], capture_output=True, text=True)
+                                  str(args.chunk_size), str(args.capacity), str(args.repeat)],
+                                 capture_output=True, text=True)
             if out.returncode != 0:
                 raise SystemExit(f"{config} on {kind} failed:\n{out.stderr[-3000:]}")
             results[config] = json.loads(out.stdout.strip().splitlines()[-1])
