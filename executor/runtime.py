@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from harts.executor.layout import MODES, build_layout, expanded_groups, has_cached_rows, producer_layout
+from harts.executor.layout import MODES, build_layout, expanded_groups
 from harts.executor.losses import LossConfig, PositionMeta, policy_loss, position_weights
 from harts.executor.models.moe import MoEStatistics
 from harts.executor.models.registry import runner_for
 from harts.executor.ops.logprobs import position_logprobs
-from harts.executor.windows import PASSTHROUGH, ConsumerView, ProducerRecord
+from harts.executor.windows import WindowSchedule
 from harts.schema.errors import HartsError
 from harts.schema.plan import Plan
 
@@ -106,27 +106,11 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
         else:
             work.append((mb, None))
     use_windows = windows and mode == "compact" and bool(plan.producers)
-    producer_of_cell = {(int(p["window"]), int(p["replica"])): p for p in plan.producers or []} if use_windows else {}
-    cell_of = [(int(mb["window"]), int(mb["replica"])) if use_windows and has_cached_rows(mb) else None
-               for mb, _ in work]
-    last_reader = {cell: i for i, cell in enumerate(cell_of) if cell is not None}
-    live: dict = {}
-    producers_run = producer_passes = 0
+    schedule = WindowSchedule(plan.producers if use_windows else None, [mb for mb, _ in work], backward)
     for i, (mb, group) in enumerate(progress(work, f"{mode} microbatches") if progress else work):
         t0 = time.perf_counter()
-        cell, record = cell_of[i], None
-        if cell is not None:
-            record = live.get(cell)
-            if record is None:
-                # Producer forward: the decoder over its rows, no LM head, no statistics.
-                record = live[cell] = ProducerRecord()
-                with torch.set_grad_enabled(backward):
-                    producer = producer_layout(producer_of_cell[cell])
-                    runner.hidden_states(producer, None, record)
-                rows += producer.num_rows
-                producers_run += 1
         layout = build_layout(mb, offsets, chunk_size, mode, members=group, windows=use_windows)
-        window = ConsumerView(record, layout.cached) if record is not None else PASSTHROUGH
+        window = schedule.source(i, runner, layout)
         stats = MoEStatistics()
         with torch.set_grad_enabled(backward):
             hidden = runner.hidden_states(layout, stats, window)
@@ -143,12 +127,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
         for layer, load in stats.load.items():
             loads[layer] = loads.get(layer, 0) + load.numpy()
         rows += layout.num_decoder_rows
-        if cell is not None and last_reader[cell] == i:
-            record = live.pop(cell)
-            if backward:
-                record.backward()       # the window's one producer backward
-                producer_passes += record.backward_passes
-            record.release()
+        schedule.finished(i)
         times.append(time.perf_counter() - t0)
     ids = plan.step["ids"]
     logprobs = {str(ids[t]): flat_logprobs[offsets[t]:offsets[t + 1]].copy() for t in range(len(ids))}
@@ -159,6 +138,6 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
                  for name, p in model.named_parameters()}
     objective_total = total_loss + loss.moe_aux_coef * aux_total + loss.moe_z_coef * z_total
     return StepResult(logprobs=logprobs, loss=total_loss, objective=objective_total, grads=grads, moe_load=loads, moe_aux_loss=aux_total,
-                      moe_z_loss=z_total, seconds=time.perf_counter() - started, rows=rows,
-                      microbatch_seconds=times, producers_run=producers_run,
-                      producer_backward_passes=producer_passes)
+                      moe_z_loss=z_total, seconds=time.perf_counter() - started, rows=rows + schedule.rows,
+                      microbatch_seconds=times, producers_run=schedule.producers_run,
+                      producer_backward_passes=schedule.backward_passes)

@@ -16,13 +16,17 @@ The runner asks its `RowSource` for every per-row tensor a non-row-local op
 reads (`complete`) and for the states a round starts from (`start_states`);
 `PASSTHROUGH` (no windows) returns what it is given.
 
+`WindowSchedule` drives this in run order: a window's producer runs just
+before its first consumer that reads it, and its backward just after its
+last one, so at most the producers of the windows in flight hold memory.
+
 Legend: P producer rows, C consumer rows, U consumer decoder rows, Cc cached rows.
 """
 from __future__ import annotations
 
 import torch
 
-from harts.executor.layout import CachedRows
+from harts.executor.layout import CachedRows, ExecLayout, has_cached_rows, producer_layout
 
 
 class RowSource:
@@ -125,3 +129,45 @@ class ConsumerView(RowSource):
 
     def start_states(self, layer):
         return self.producer.state_leaves_of(layer)
+
+
+class WindowSchedule:
+    """The producers of one run of microbatches: each runs before its first reader, and its one
+    backward (then its release) follows its last reader in this run's order."""
+
+    def __init__(self, producers: list | None, microbatches: list[dict], backward: bool) -> None:
+        self.producer_of_cell = {(int(p["window"]), int(p["replica"])): p for p in producers or []}
+        # Only consumers with cached rows read a producer; the rest run their complete layouts.
+        self.cell_of = [(int(mb["window"]), int(mb["replica"])) if producers and has_cached_rows(mb) else None
+                        for mb in microbatches]
+        self.last_reader = {cell: i for i, cell in enumerate(self.cell_of) if cell is not None}
+        self.backward = backward
+        self.live: dict = {}
+        self.rows = self.producers_run = self.backward_passes = 0
+
+    def source(self, i: int, runner, layout: ExecLayout) -> RowSource:
+        """Where microbatch i's decoder reads rows it does not compute (running its producer if needed)."""
+        cell = self.cell_of[i]
+        if cell is None:
+            return PASSTHROUGH
+        record = self.live.get(cell)
+        if record is None:
+            # Producer forward: the decoder over its rows, no LM head, no statistics.
+            record = self.live[cell] = ProducerRecord()
+            producer = producer_layout(self.producer_of_cell[cell])
+            with torch.set_grad_enabled(self.backward):
+                runner.hidden_states(producer, None, record)
+            self.rows += producer.num_rows
+            self.producers_run += 1
+        return ConsumerView(record, layout.cached)
+
+    def finished(self, i: int) -> None:
+        """Microbatch i's backward has run: after a window's last reader, its producer backward."""
+        cell = self.cell_of[i]
+        if cell is None or self.last_reader[cell] != i:
+            return
+        record = self.live.pop(cell)
+        if self.backward:
+            record.backward()
+            self.backward_passes += record.backward_passes
+        record.release()

@@ -70,8 +70,11 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
                          old_logprobs: Sequence[Sequence[float]] | None = None,
                          ref_logprobs: Sequence[Sequence[float]] | None = None,
                          dp: int = 1, capacity: int = 65536, chunk_size: int = 64,
-                         vocab_size: int | None = None) -> Plan:
+                         vocab_size: int | None = None, levels: str = "l1+l2") -> Plan:
     """Compile trajectories held in memory (same alignment as trees.jsonl: index i belongs to tokens[i]).
+
+    `levels` is hartsc's `--levels`: "l1+l2" (default) adds sharing windows,
+    "l1" stops after L1 microbatches.
 
     Checks what the file reader checks, raising `ValueError` with a fix:
     token ids are integers in [0, vocab_size), masks are 0/1 and every
@@ -108,7 +111,7 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
         raise ValueError(f"a trajectory has {max(lengths)} tokens, more than capacity {capacity}; "
                          "fix: raise capacity or truncate it")
     return compile_batch(batch, CompileOptions(dp=dp, capacity=capacity, chunk_size=chunk_size,
-                                               vocab_size=vocab_size)).plan
+                                               vocab_size=vocab_size, levels=levels)).plan
 
 
 def run(plan: Plan, model, *, loss: str | LossConfig = "nll", mode: str = "compact",

@@ -327,3 +327,36 @@ def test_inputs_are_validated(case):
     }[case])
     with pytest.raises(ValueError):
         ancestor_attention(**args)
+
+
+@pytest.mark.parametrize("threshold", [0, 5, 12], ids=lambda t: f"from{t}")
+@pytest.mark.parametrize("kind", ["random", "duplicates", "strict_prefixes"], ids=str)
+def test_a_query_subset_reads_every_row_as_keys(kind, threshold):
+    """A window consumer queries only its uncached rows (a suffix of each view's own rows) and reads
+    the rest as keys: outputs and gradients equal the full op's on those rows, and the spec's."""
+    arrays = plan_arrays(tree_token_lists(kind, seed=5), seed=5)
+    views = views_of(arrays)
+    is_query = np.asarray(arrays["row_position"]) >= threshold
+    subset = views.with_queries(is_query)
+    assert subset.num_queries == int(is_query.sum())
+    q, k, v = make_qkv(views.num_rows, *HEADS["gqa"])
+    rows = torch.from_numpy(np.flatnonzero(is_query))
+    q_sub = q.detach()[rows].requires_grad_()
+    do = torch.randn(subset.num_queries, 4, 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    full = ancestor_attention(q, k, v, views, block_tokens=5)
+    want = torch.autograd.grad(full[rows], (q, k, v), do)
+    for op in (lambda *x: ancestor_attention(*x, block_tokens=5), naive_ancestor_attention):
+        o = op(q_sub, k, v, subset)
+        torch.testing.assert_close(o, full.detach()[rows], rtol=0, atol=1e-10)
+        dq, dk, dv = torch.autograd.grad(o, (q_sub, k, v), do)
+        torch.testing.assert_close(dq, want[0][rows], rtol=0, atol=1e-10)
+        torch.testing.assert_close(dk, want[1], rtol=0, atol=1e-10)
+        torch.testing.assert_close(dv, want[2], rtol=0, atol=1e-10)
+
+
+def test_a_query_subset_must_leave_out_a_prefix_of_each_view():
+    arrays = plan_arrays(tree_token_lists("random", seed=5), seed=5)
+    views = views_of(arrays)
+    is_query = np.asarray(arrays["row_position"]) < 4      # leaves out a suffix: not what a cache produces
+    with pytest.raises(ValueError, match="prefix of its own rows"):
+        views.with_queries(is_query)

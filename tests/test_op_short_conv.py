@@ -105,6 +105,25 @@ def test_gather_matches_naive_in_float64(order, taps, bias, activation, layout):
         torch.testing.assert_close(g_fast, g_spec, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("order", ["creation", "depth_major"], ids=str)
+def test_windows_of_some_rows_read_every_row(order):
+    """A window consumer convolves only its uncached rows, whose windows reach into cached rows:
+    outputs and gradients equal the full op's on those rows (the spec is checked above)."""
+    arrays = tree_arrays(random_tree(seed=4), order, seed=4)
+    num_rows = len(arrays["row_parent"])
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(num_rows, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    context = conv_context(arrays["row_parent"], 4)
+    rows = torch.from_numpy(np.flatnonzero(np.random.default_rng(0).random(num_rows) < 0.5))
+    dy = torch.randn(len(rows), 5, generator=gen, dtype=torch.float64)
+    some = short_conv(x, w, None, context[rows])
+    every = short_conv(x, w, None, context)
+    torch.testing.assert_close(some, every.detach()[rows], rtol=0, atol=0)
+    for got, want in zip(torch.autograd.grad(some, (x, w), dy), torch.autograd.grad(every[rows], (x, w), dy)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_gradcheck():
     arrays = tree_arrays(random_tree(seed=7), "depth_major")
     gen = torch.Generator().manual_seed(1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.pipeline import CompileOptions, compile_batch
@@ -169,3 +170,97 @@ def test_hartsc_defaults_to_windows_and_harts_run_realises_them(tmp_path, capsys
     assert abs(summaries["windows"]["loss"] - summaries["alone"]["loss"]) <= 1e-5
     for key in logprobs["alone"].files:
         np.testing.assert_allclose(logprobs["windows"][key][1:], logprobs["alone"][key][1:], atol=1e-5)
+
+
+# ----------------------------------------------------------------- the linear-attention handoff alone, in float64
+
+
+def node_index(records) -> tuple[list[np.ndarray], int]:
+    """Per record, the trie node of each row: rows with the same token path share a node."""
+    nodes: dict = {}
+    out = []
+    for record in records:
+        parent = np.asarray(record["row_parent"], dtype=np.int64)
+        token = np.asarray(record["row_token"]).tolist()
+        keys: list = []
+        for r in range(len(parent)):   # parents precede children in memory
+            keys.append((keys[parent[r]] if parent[r] >= 0 else ()) + (token[r],))
+        out.append(np.array([nodes.setdefault(key, len(nodes)) for key in keys], dtype=np.int64))
+    return out, len(nodes)
+
+
+def test_residual_calls_from_producer_states_equal_each_trajectory_alone():
+    """Producer rounds, then every consumer's residual rounds starting from the producer's exported
+    states, against fla-style naive token-by-token recurrence over each trajectory alone (float64):
+    outputs on every uncached row, and gradients of the inputs through every handoff."""
+    from types import SimpleNamespace
+
+    from harts.executor.layout import producer_layout
+    from harts.executor.models.runner import RowRunner
+    from harts.executor.ops.linear_attention import naive_linear_attention
+    from harts.executor.windows import ConsumerView, ProducerRecord
+    from harts.schema.runs import expand_runs
+
+    B = 8
+    lists = two_trees()
+    plan = compile_windows(lists, chunk_size=B, capacity=250)
+    assert plan.producers
+    consumers = [mb for mb in plan.microbatches if np.any(np.asarray(mb["row_cached_by"]) >= 0)]
+    assert any(np.any(mb["residual_sequence_producer_state"] >= 0) for mb in consumers)
+    node_of, num_nodes = node_index([*plan.producers, *plan.microbatches])
+    node_of_producer, node_of_consumer = node_of[:len(plan.producers)], node_of[len(plan.producers):]
+    gen = torch.Generator().manual_seed(0)
+    H, K, V = 2, 4, 3
+    inputs = [torch.randn(num_nodes, H, K, generator=gen, dtype=torch.float64, requires_grad=True),
+              torch.randn(num_nodes, H, K, generator=gen, dtype=torch.float64, requires_grad=True),
+              torch.randn(num_nodes, H, V, generator=gen, dtype=torch.float64, requires_grad=True),
+              (-torch.rand(num_nodes, H, K, generator=gen, dtype=torch.float64) * 0.2).requires_grad_(),
+              torch.rand(num_nodes, H, generator=gen, dtype=torch.float64).requires_grad_()]
+    weight = torch.randn(num_nodes, H, V, generator=gen, dtype=torch.float64)
+    runner = SimpleNamespace(chunk_size=B)
+    offsets = plan.step["token_offsets"]
+
+    # HARTS: producer forward, consumers on uncached rows, one producer backward per window.
+    records = {}
+    for p, producer in enumerate(plan.producers):
+        record = records[(int(producer["window"]), int(producer["replica"]))] = ProducerRecord()
+        rows = torch.from_numpy(node_of_producer[p])
+        RowRunner.linear_rounds(runner, *(x[rows] for x in inputs), producer_layout(producer), 0, record)
+    loss = 0
+    for mb, nodes in zip(plan.microbatches, node_of_consumer):
+        if not np.any(np.asarray(mb["row_cached_by"]) >= 0):
+            continue
+        layout = build_layout(mb, offsets, B, windows=True)
+        window = ConsumerView(records[(int(mb["window"]), int(mb["replica"]))], layout.cached)
+        rows = torch.from_numpy(nodes)
+        o = RowRunner.linear_rounds(runner, *(x[rows] for x in inputs), layout, 0, window)
+        loss = loss + (o * weight[rows[layout.decoder_rows]]).sum()
+    # As at run time: consumer backward into the inputs and the leaves, then each producer backward once.
+    loss.backward()
+    for record in records.values():
+        record.backward()
+    harts_grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
+
+    # Reference: every consumer member trajectory alone, outputs kept on that consumer's uncached rows.
+    reference = 0
+    for mb, nodes in zip(plan.microbatches, node_of_consumer):
+        cached = np.asarray(mb["row_cached_by"]) >= 0
+        if not cached.any():
+            continue
+        done = np.zeros(len(cached), dtype=bool)
+        runs = np.asarray(mb["member_run_offsets"])
+        for m in range(len(mb["member_trajectory"])):
+            path = expand_runs(mb["run_row_start"][runs[m]:runs[m + 1]], mb["run_length"][runs[m]:runs[m + 1]])
+            keep = ~cached[path] & ~done[path]
+            if not keep.any():
+                continue
+            done[path] = True
+            rows = torch.from_numpy(nodes[path])
+            o, _ = naive_linear_attention(*(x[rows] for x in inputs), torch.tensor([0, len(path)]), None,
+                                          torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                                          chunk_size=B, use_qk_l2norm_in_kernel=True)
+            keep_t = torch.from_numpy(np.flatnonzero(keep))
+            reference = reference + (o[keep_t] * weight[rows[keep_t]]).sum()
+    torch.testing.assert_close(loss, reference, rtol=0, atol=1e-9)
+    for got, want in zip(harts_grads, torch.autograd.grad(reference, inputs)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
