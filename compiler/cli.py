@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hartsc: wrote {args.output}: {stats['trajectories']} trajectories, {stats['original_tokens']} tokens -> "
           f"{stats['compact_tokens']} compact ({stats['compression']:.2f}x), {stats['microbatches']} microbatches, "
           + (f"{stats['decoder_tokens']} decoder rows with {stats['windows']} sharing windows "
-             f"({stats['compression_l2']:.2f}x), " if stats["windows"] else "") +
+             f"({stats['compression_l2']:.2f}x), " if stats["decoder_tokens"] < stats["compact_tokens"] else "") +
           f"max {stats['max_rounds']} rounds, read {read_seconds:.2f}s, planned {planning:.2f}s", file=sys.stderr)
     return 0
 
