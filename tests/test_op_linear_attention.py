@@ -380,3 +380,75 @@ def test_bad_inputs_raise_value_error(case, fn):
     mutate(args)
     with pytest.raises(ValueError, match=message):
         fn(**args)
+
+
+# 6. The fla adapter: fla's kernels need CUDA, so a stand-in with fla's documented signature
+#    (batch 1 + cu_seqlens, float32 initial states, final states only, one head count for q/k/v)
+#    checks everything the adapter adds: extra prefix sequences for mid-sequence exports,
+#    grouped heads, layouts, export order, gradients through exports and initial states.
+
+
+def _fla_stand_in(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    assert q.shape[0] == 1 and cu_seqlens is not None and output_final_state
+    assert initial_state.dtype == torch.float32 and initial_state.shape[0] == len(cu_seqlens) - 1
+    assert q.shape == k.shape and q.shape[2] == v.shape[2] == beta.shape[2], "fla wants one head count"
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    o, final = naive_linear_attention(q[0], k[0], v[0], g[0], beta[0], cu_seqlens, initial_state,
+                                      torch.arange(len(lengths)), (lengths + 63) // 64, chunk_size=64, scale=scale,
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return o[None], final
+
+
+@pytest.fixture
+def fla_stand_in(monkeypatch):
+    import sys
+    import types
+
+    calls = []
+
+    def record(*args, **kwargs):
+        calls.append(kwargs["cu_seqlens"].clone())
+        return _fla_stand_in(*args, **kwargs)
+
+    modules = {name: types.ModuleType(name) for name in ("fla", "fla.ops", "fla.ops.kda", "fla.ops.gated_delta_rule")}
+    modules["fla.ops.kda"].chunk_kda = record
+    modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = record
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return calls
+
+
+@pytest.mark.parametrize("qk_heads", [2, 1], ids=["mha", "grouped"])
+@pytest.mark.parametrize("gate", GATES)
+def test_fla_adapter_keeps_the_round_contract(fla_stand_in, gate, qk_heads):
+    from harts.executor.ops.linear_attention import fla_linear_attention
+
+    lengths = [3, 130, 64, 200, 65]
+    inputs = make_round(lengths, gate, dtype=torch.float32, qk_heads=qk_heads)
+    export_seq, export_chunk = some_exports(lengths, 64)
+    wrt = [inputs[n] for n in LEAVES]
+    o, ex = run(fla_linear_attention, inputs, export_seq, export_chunk, 64)
+    o_ref, ex_ref = run(chunk_linear_attention, inputs, export_seq, export_chunk, 64)
+    assert o.dtype == torch.float32 and ex.dtype == torch.float32
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(ex, ex_ref) < 1e-5
+    for name, got, want in zip(LEAVES, grads_of([o, ex], wrt), grads_of([o_ref, ex_ref], wrt)):
+        assert rel_err(got, want) < 1e-4, name
+    # One call; each mid-sequence export (not its sequence's final state) adds one prefix of whole chunks.
+    final = [-(-n // 64) for n in lengths]
+    middle = [int(c) * 64 for s, c in zip(export_seq.tolist(), export_chunk.tolist()) if c < final[s]]
+    assert len(fla_stand_in) == 1
+    assert (fla_stand_in[0][1:] - fla_stand_in[0][:-1]).tolist() == lengths + middle
+
+
+def test_backend_selection_falls_back_to_torch_and_refuses_fla_without_cuda(monkeypatch):
+    from harts.executor.ops.linear_attention import select_backend
+
+    cpu = torch.device("cpu")
+    assert select_backend(cpu, 64) == "torch"
+    monkeypatch.setenv("HARTS_LINEAR_ATTENTION", "torch")
+    assert select_backend(cpu, 64) == "torch"
+    with pytest.raises(ValueError, match="needs CUDA tensors, chunk size 64"):
+        select_backend(cpu, 64, "fla")
+    with pytest.raises(ValueError, match="must be one of auto, torch, fla"):
+        select_backend(cpu, 64, "triton")

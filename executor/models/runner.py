@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from harts.executor.layout import ExecLayout
 from harts.executor.models.moe import MoEStatistics
-from harts.executor.ops.linear_attention import chunk_linear_attention
+from harts.executor.ops.linear_attention import linear_attention_round
 from harts.executor.ops.short_conv import conv_context
 from harts.executor.windows import PASSTHROUGH, RowSource
 
@@ -116,7 +116,7 @@ class RowRunner:
                 zero = q.new_zeros(v.shape[1], q.shape[2], v.shape[2], dtype=state_dtype)
                 initial_state = torch.stack([states[i] if i >= 0 else producer_states[e] if e >= 0 else zero
                                              for i, e in zip(internal, external)])
-            o, exported = chunk_linear_attention(
+            o, exported = linear_attention_round(
                 q[rows], k[rows], v[rows], g[rows], beta[rows], call.cu_seqlens, initial_state,
                 call.export_sequence, call.export_chunk, chunk_size=self.chunk_size,
                 use_qk_l2norm_in_kernel=True)
