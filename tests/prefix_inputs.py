@@ -1,4 +1,4 @@
-"""Shared inputs of the partitioner tests: sorted token sequences, their LCPs, and C(M) by definition."""
+"""Shared inputs of the planner tests: sorted token sequences, their LCPs, C(M) by definition, and forests."""
 from __future__ import annotations
 
 import numpy as np
@@ -41,3 +41,16 @@ def lengths_and_lcp(sequences):
 def trie_nodes(sequences) -> int:
     """C(M) by definition: distinct non-empty prefixes of the member sequences."""
     return len({tuple(s[:k]) for s in sequences for k in range(1, len(s) + 1)})
+
+
+@st.composite
+def forests(draw):
+    """Trajectories branching off earlier ones: forks anywhere, duplicates, strict prefixes, long shared stems."""
+    stem = draw(st.lists(st.integers(0, 3), min_size=0, max_size=25))
+    lists = [stem + draw(st.lists(st.integers(0, 3), min_size=max(0, 2 - len(stem)), max_size=20))]
+    for _ in range(draw(st.integers(1, 16))):
+        base = lists[draw(st.integers(0, len(lists) - 1))]
+        cut = draw(st.integers(0, len(base)))
+        tail = draw(st.lists(st.integers(0, 3), min_size=max(0, 2 - cut), max_size=20))
+        lists.append(base[:cut] + tail)
+    return lists

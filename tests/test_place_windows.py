@@ -25,18 +25,7 @@ from harts.schema.plan import encode_plan, read_plan, write_plan
 from harts.schema.summary import plan_statistics
 from harts.tools.check import check_plan
 
-
-@st.composite
-def forests(draw):
-    """Trajectories branching off earlier ones: forks anywhere, duplicates, strict prefixes, long shared stems."""
-    stem = draw(st.lists(st.integers(0, 3), min_size=0, max_size=25))
-    lists = [stem + draw(st.lists(st.integers(0, 3), min_size=max(0, 2 - len(stem)), max_size=20))]
-    for _ in range(draw(st.integers(1, 16))):
-        base = lists[draw(st.integers(0, len(lists) - 1))]
-        cut = draw(st.integers(0, len(base)))
-        tail = draw(st.lists(st.integers(0, 3), min_size=max(0, 2 - cut), max_size=20))
-        lists.append(base[:cut] + tail)
-    return lists
+from prefix_inputs import forests
 
 
 def compile_l2(lists, **flags):

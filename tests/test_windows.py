@@ -11,13 +11,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.executor.layout import build_layout, consumer_layout
 from harts.executor.losses import LossConfig
 from harts.executor.runtime import run_step
+from harts.schema.errors import PassFailedError
 from harts.tools.check import check_plan
+
+from prefix_inputs import forests
 
 from fidelity import (VOCAB, boundary_tree, gradient_floor, hf_reference, relative_error, tiny_kimi_linear,
                       tiny_qwen3_next)
@@ -189,9 +194,9 @@ def node_index(records) -> tuple[list[np.ndarray], int]:
     return out, len(nodes)
 
 
-def test_residual_calls_from_producer_states_equal_each_trajectory_alone():
+def check_residual_handoff(plan, B: int) -> None:
     """Producer rounds, then every consumer's residual rounds starting from the producer's exported
-    states, against fla-style naive token-by-token recurrence over each trajectory alone (float64):
+    states, against the naive token-by-token recurrence over each trajectory alone (float64):
     outputs on every uncached row, and gradients of the inputs through every handoff."""
     from types import SimpleNamespace
 
@@ -201,14 +206,9 @@ def test_residual_calls_from_producer_states_equal_each_trajectory_alone():
     from harts.executor.windows import ConsumerView, ProducerRecord
     from harts.schema.runs import expand_runs
 
-    B = 8
-    lists = two_trees()
-    plan = compile_windows(lists, chunk_size=B, capacity=250)
-    assert plan.producers
-    consumers = [mb for mb in plan.microbatches if np.any(np.asarray(mb["row_cached_by"]) >= 0)]
-    assert any(np.any(mb["residual_sequence_producer_state"] >= 0) for mb in consumers)
-    node_of, num_nodes = node_index([*plan.producers, *plan.microbatches])
-    node_of_producer, node_of_consumer = node_of[:len(plan.producers)], node_of[len(plan.producers):]
+    producers = plan.producers or []
+    node_of, num_nodes = node_index([*producers, *plan.microbatches])
+    node_of_producer, node_of_consumer = node_of[:len(producers)], node_of[len(producers):]
     gen = torch.Generator().manual_seed(0)
     H, K, V = 2, 4, 3
     inputs = [torch.randn(num_nodes, H, K, generator=gen, dtype=torch.float64, requires_grad=True),
@@ -222,7 +222,7 @@ def test_residual_calls_from_producer_states_equal_each_trajectory_alone():
 
     # HARTS: producer forward, consumers on uncached rows, one producer backward per window.
     records = {}
-    for p, producer in enumerate(plan.producers):
+    for p, producer in enumerate(producers):
         record = records[(int(producer["window"]), int(producer["replica"]))] = ProducerRecord()
         rows = torch.from_numpy(node_of_producer[p])
         RowRunner.linear_rounds(runner, *(x[rows] for x in inputs), producer_layout(producer), 0, record)
@@ -235,6 +235,8 @@ def test_residual_calls_from_producer_states_equal_each_trajectory_alone():
         rows = torch.from_numpy(nodes)
         o = RowRunner.linear_rounds(runner, *(x[rows] for x in inputs), layout, 0, window)
         loss = loss + (o * weight[rows[layout.decoder_rows]]).sum()
+    if not isinstance(loss, torch.Tensor):   # no consumer reads a producer: nothing handed over
+        return
     # As at run time: consumer backward into the inputs and the leaves, then each producer backward once.
     loss.backward()
     for record in records.values():
@@ -281,3 +283,25 @@ def test_windows_run_in_bfloat16(kimi):
     floor = gradient_floor({name: grad.float() for name, grad in alone.grads.items()})
     for name, grad in alone.grads.items():
         assert relative_error(reuse.grads[name].float(), grad.float(), floor) <= 5e-2, name
+
+
+def test_residual_calls_from_producer_states_equal_each_trajectory_alone():
+    B = 8
+    plan = compile_windows(two_trees(), chunk_size=B, capacity=250)
+    consumers = [mb for mb in plan.microbatches if np.any(np.asarray(mb["row_cached_by"]) >= 0)]
+    assert plan.producers and any(np.any(mb["residual_sequence_producer_state"] >= 0) for mb in consumers)
+    check_residual_handoff(plan, B)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(forests(), st.integers(2, 6), st.integers(1, 2), st.integers(0, 20))
+def test_residual_handoff_on_random_forests(lists, chunk_size, dp, extra_capacity):
+    """Forks anywhere, duplicates, strict prefixes: every windowed plan's handoffs are exact."""
+    dp = min(dp, len(lists))
+    capacity = max(len(t) for t in lists) + extra_capacity
+    try:
+        plan = compile_windows(lists, chunk_size=chunk_size, capacity=capacity, dp=dp)
+    except PassFailedError as err:   # the only legal refusal: no multiple of dp microbatches exists
+        assert f"into a multiple of {dp} non-empty microbatches" in str(err)
+        return
+    check_residual_handoff(plan, chunk_size)
