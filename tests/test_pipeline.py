@@ -16,17 +16,7 @@ from harts.schema.plan import encode_plan, read_plan, write_plan
 from harts.schema.summary import plan_statistics
 from harts.tools.check import check_plan
 
-
-@st.composite
-def forests(draw):
-    """Trajectories branching off earlier ones: forks anywhere, duplicates, strict prefixes."""
-    lists = [draw(st.lists(st.integers(0, 3), min_size=2, max_size=30))]
-    for _ in range(draw(st.integers(0, 14))):
-        base = lists[draw(st.integers(0, len(lists) - 1))]
-        cut = draw(st.integers(0, len(base)))
-        tail = draw(st.lists(st.integers(0, 3), min_size=max(0, 2 - cut), max_size=20))
-        lists.append(base[:cut] + tail)
-    return lists
+from prefix_inputs import forests
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
