@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -35,6 +36,15 @@ def load_model(model_dir: str, dtype: str = "float32"):
     return model.train(False)
 
 
+def model_device(choice: str) -> torch.device:
+    """`--device`: cuda (this rank's GPU under torchrun) or cpu; auto picks cuda when there is one."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise HartsError("--device cuda: no CUDA device is visible; fix: run on a GPU machine or pass --device cpu")
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
 def write_logprobs(path: str, logprobs: dict) -> None:
     buffer = io.BytesIO()
     np.savez(buffer, **logprobs)
@@ -44,7 +54,7 @@ def write_logprobs(path: str, logprobs: dict) -> None:
 def write_grads(path: str, grads: dict) -> None:
     from safetensors.torch import save
 
-    atomic_write_bytes(Path(path), save({k: v.contiguous() for k, v in grads.items()}))
+    atomic_write_bytes(Path(path), save({k: v.detach().cpu().contiguous() for k, v in grads.items()}))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-aux-coef", type=float, default=0.0, help="weight of the MoE load-balancing loss (default 0: reported only)")
     p.add_argument("--moe-z-coef", type=float, default=0.0, help="weight of the router z-loss (default 0: reported only)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model dtype (default float32)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the model runs (default auto: cuda when available, one GPU per torchrun rank; "
+                        "linear attention then uses fla's kernels when the plan's chunk size is 64)")
     p.add_argument("--logprobs-out", help="write per-trajectory log-probabilities (.npz keyed by str(id))")
     p.add_argument("--grads-out", help="write parameter gradients (.safetensors keyed by parameter name)")
     p.add_argument("--recompute", action="store_true",
@@ -104,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         if distributed.launched_by_torchrun():
             group = distributed.init_data_parallel(int(plan.flags["dp"]))
             selected, primary = distributed.microbatches_of_replica(plan, group.rank), group.is_primary
+        model = model.to(model_device(args.device))
         result = run_step(plan, model, mode=mode, loss=loss, backward=not args.forward_only,
                           recompute=args.recompute, microbatches=selected, windows=not args.no_windows,
                           progress=terminal_progress if primary else None)

@@ -103,6 +103,22 @@ class ExecLayout:
         """The decoder rows' entries of a per-row tensor."""
         return per_row if self.decoder_rows is None else per_row[self.decoder_rows]
 
+    def to(self, device: torch.device | str) -> "ExecLayout":
+        """Every index tensor on `device` (the model's); numpy arrays and the views stay on the host
+        (the ops move each block's indices themselves)."""
+        return _to_device(self, torch.device(device))
+
+
+def _to_device(obj, device: torch.device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, list):
+        return [_to_device(x, device) for x in obj]
+    if isinstance(obj, (ExecLayout, LinearCalls, RoundCall, CachedRows)):
+        return dataclasses.replace(obj, **{f.name: _to_device(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj)})
+    return obj
+
 
 def _calls(sequences: list[tuple[np.ndarray, int]], sequence_round: np.ndarray, start_state: np.ndarray,
            export_sequence: np.ndarray, export_chunk: np.ndarray, output_rows_in_order: bool,

@@ -40,14 +40,14 @@ class StepResult:
     producer_backward_passes: int = 0  # autograd traversals of producer graphs (one per producer)
 
 
-def _meta(plan: Plan, flat: np.ndarray, weights: np.ndarray) -> PositionMeta:
+def _meta(plan: Plan, flat: np.ndarray, weights: np.ndarray, device: torch.device) -> PositionMeta:
     step = plan.step
 
     def take(key):
         values = step.get(key)
-        return None if values is None else torch.from_numpy(np.asarray(values, dtype=np.float64)[flat])
+        return None if values is None else torch.from_numpy(np.asarray(values, dtype=np.float64)[flat]).to(device)
 
-    return PositionMeta(weight=torch.from_numpy(weights[flat]),
+    return PositionMeta(weight=torch.from_numpy(weights[flat]).to(device),
                         advantages=take("advantages"), old_logprobs=take("old_logprobs"),
                         ref_logprobs=take("ref_logprobs"))
 
@@ -86,6 +86,8 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     started = time.perf_counter()
     chunk_size = int(plan.flags["chunk_size"])
     runner = runner_for(model, chunk_size=chunk_size, recompute=recompute)
+    # Index tensors follow the model: on CUDA the linear-attention rounds then run fla's kernels.
+    device = next(model.parameters()).device
     offsets = np.asarray(plan.step["token_offsets"], dtype=np.int64)
     flat_logprobs = np.full(int(offsets[-1]), np.nan, dtype=np.float32)
     # Reduction weights over the whole step: identical whichever microbatch or rank a position runs on.
@@ -109,23 +111,23 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     schedule = WindowSchedule(plan.producers if use_windows else None, [mb for mb, _ in work], backward)
     for i, (mb, group) in enumerate(progress(work, f"{mode} microbatches") if progress else work):
         t0 = time.perf_counter()
-        layout = build_layout(mb, offsets, chunk_size, mode, members=group, windows=use_windows)
+        layout = build_layout(mb, offsets, chunk_size, mode, members=group, windows=use_windows).to(device)
         window = schedule.source(i, runner, layout)
         stats = MoEStatistics()
         with torch.set_grad_enabled(backward):
             hidden = runner.hidden_states(layout, stats, window)
             lam = position_logprobs(hidden, model.lm_head.weight, layout.position_row, layout.position_label)
-            mb_loss = policy_loss(lam, _meta(plan, layout.position_flat, weights), loss)
+            mb_loss = policy_loss(lam, _meta(plan, layout.position_flat, weights, device), loss)
             aux, z = stats.aux_loss(top_k), stats.z_loss()
             objective = mb_loss + loss.moe_aux_coef * aux + loss.moe_z_coef * z
         if backward:
             objective.backward()
-        flat_logprobs[layout.position_flat] = lam.detach().float().numpy()
+        flat_logprobs[layout.position_flat] = lam.detach().float().cpu().numpy()
         total_loss += float(mb_loss.detach())
         aux_total += float(aux.detach())
         z_total += float(z.detach())
         for layer, load in stats.load.items():
-            loads[layer] = loads.get(layer, 0) + load.numpy()
+            loads[layer] = loads.get(layer, 0) + load.cpu().numpy()
         rows += layout.num_decoder_rows
         schedule.finished(i)
         times.append(time.perf_counter() - t0)

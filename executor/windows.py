@@ -154,7 +154,7 @@ class WindowSchedule:
         if record is None:
             # Producer forward: the decoder over its rows, no LM head, no statistics.
             record = self.live[cell] = ProducerRecord()
-            producer = producer_layout(self.producer_of_cell[cell])
+            producer = producer_layout(self.producer_of_cell[cell]).to(layout.row_token.device)
             with torch.set_grad_enabled(self.backward):
                 runner.hidden_states(producer, None, record)
             self.rows += producer.num_rows

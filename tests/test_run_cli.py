@@ -76,3 +76,10 @@ def test_vocabulary_mismatch_is_one_line(workspace, tmp_path, capsys):
     capsys.readouterr()
     assert harts(["run", str(workspace / "step.plan"), "--model", str(tmp_path / "small")]) == 2
     assert "vocabulary has 16 entries" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_device_cuda_without_a_gpu_is_one_line(workspace, capsys):
+    assert harts(["run", str(workspace / "step.plan"), "--model", str(workspace / "model"), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "no CUDA device" in err and "--device cpu" in err

@@ -60,7 +60,8 @@ class RowRunner:
         context = None
         if "linear_attention" in self.config.layer_types:
             # Windows of the decoder rows, reading any row of the layout.
-            context = layout.decoder_view(conv_context(layout.row_parent, self.config.linear_conv_kernel_dim))
+            context = layout.decoder_view(conv_context(layout.row_parent, self.config.linear_conv_kernel_dim,
+                                                       device=layout.row_token.device))
         h_RD = base.embed_tokens(layout.decoder_view(layout.row_token))
         window.started(h_RD)
         inputs = self.layer_inputs(layout, h_RD)
