@@ -21,6 +21,9 @@ CASES = {
     "forks-b4": ("forks.jsonl", CompileOptions(chunk_size=4, capacity=64, levels="l1", verify=True)),
     "forks-b2-dp2": ("forks.jsonl", CompileOptions(chunk_size=2, capacity=24, dp=2, levels="l1", verify=True)),
     "stepwise-b3": ("stepwise.jsonl", CompileOptions(chunk_size=3, capacity=32, levels="l1", verify=True)),
+    # Windows: three consumers share the 10-token stem through one producer; residual calls
+    # start from its exported anchors.
+    "forks-b4-windows": ("forks.jsonl", CompileOptions(chunk_size=4, capacity=12, levels="l1+l2", verify=True)),
 }
 
 

@@ -2,7 +2,9 @@
 
 The format is line-oriented and stable: one header line per pass, then one
 line per object (segment, microbatch, sequence, export) with `key=value`
-fields. Arrays print as Python lists.
+fields. Arrays print as Python lists. With sharing windows the lowered
+records include each consumer's cached rows and decoder-row calls, then every
+producer.
 """
 from __future__ import annotations
 
@@ -44,8 +46,10 @@ def format_compile_result(result) -> str:
         for e in range(len(r.export_row)):
             lines.append(f"export {e}: after_row={int(r.export_row[e])} sequence={int(r.export_sequence[e])} "
                          f"chunks={int(r.export_chunk[e])}")
-    for k, record in enumerate(result.plan.microbatches):
-        lines.append(f"== lower: microbatch {k}")
+    labelled = [(f"microbatch {k}", record) for k, record in enumerate(result.plan.microbatches)]
+    labelled += [(f"producer {p}", record) for p, record in enumerate(result.plan.producers or [])]
+    for label, record in labelled:
+        lines.append(f"== lower: {label}")
         for key, value in record.items():
             shown = _list(value) if isinstance(value, np.ndarray) else str(value)
             lines.append(f"{key}={shown}")
