@@ -3,7 +3,8 @@
 * a paper-scale step (~1,600 trajectories, ~43M tokens, D = 8) compiles and
   passes every invariant of the independent checker, tokens included;
 * a longer tree (forks deep into the second and third chunk) still matches the
-  Hugging Face model run per trajectory.
+  Hugging Face model run per trajectory, in one microbatch and split over
+  microbatches that share its stem through a window producer.
 """
 from __future__ import annotations
 
@@ -41,9 +42,13 @@ def test_long_tree_matches_hugging_face(tmp_path):
     rng = np.random.default_rng(5)
     base = list(rng.integers(3, 512, 400))
     lists = [base[:cut] + list(rng.integers(3, 512, 60)) for cut in (127, 128, 129, 191, 256, 300, 333)] + [base]
-    plan = compile_batch(TrajectoryBatch.from_token_lists(lists), CompileOptions(capacity=8192)).plan
-    result = run_step(plan, model, backward=False)
-    with torch.no_grad():
-        for i, tokens in enumerate(lists):
-            want = trajectory_logprobs(model, tokens).numpy()
-            assert np.max(np.abs(result.logprobs[str(i)][1:] - want)) <= 1e-5
+    # One microbatch (compact alone), then a capacity that needs several microbatches sharing the
+    # 400-token stem through window producers (handoffs deep in the stem's chunks).
+    for capacity, windows in ((8192, False), (700, True)):
+        plan = compile_batch(TrajectoryBatch.from_token_lists(lists), CompileOptions(capacity=capacity)).plan
+        result = run_step(plan, model, backward=False)
+        assert (result.producers_run > 0) == windows
+        with torch.no_grad():
+            for i, tokens in enumerate(lists):
+                want = trajectory_logprobs(model, tokens).numpy()
+                assert np.max(np.abs(result.logprobs[str(i)][1:] - want)) <= 1e-5, (capacity, i)
