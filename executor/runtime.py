@@ -9,6 +9,7 @@ equals one backward over the whole step. It contains no tree logic.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +51,12 @@ def _meta(plan: Plan, flat: np.ndarray, weights: np.ndarray, device: torch.devic
     return PositionMeta(weight=torch.from_numpy(weights[flat]).to(device),
                         advantages=take("advantages"), old_logprobs=take("old_logprobs"),
                         ref_logprobs=take("ref_logprobs"))
+
+
+def windows_runnable(plan: Plan) -> bool:
+    """Every consumer that reads a producer carries the calls of the rows it computes itself."""
+    return all("residual_token_rows" in mb for mb in plan.microbatches
+               if np.any(np.asarray(mb.get("row_cached_by", ())) >= 0))
 
 
 def check_model_fits(plan: Plan, model) -> None:
@@ -108,6 +115,12 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
         else:
             work.append((mb, None))
     use_windows = windows and mode == "compact" and bool(plan.producers)
+    if use_windows and not windows_runnable(plan):
+        # A plan from a hartsc that wrote producers but no decoder-row calls: exact without reuse.
+        warnings.warn("this plan's consumers have no residual_* calls (compiled by an older hartsc): running "
+                      "every consumer on its complete layout, without its window producer's reuse; recompile "
+                      "the plan with this hartsc to reuse shared prefixes across microbatches", stacklevel=2)
+        use_windows = False
     schedule = WindowSchedule(plan.producers if use_windows else None, [mb for mb, _ in work], backward)
     for i, (mb, group) in enumerate(progress(work, f"{mode} microbatches") if progress else work):
         t0 = time.perf_counter()

@@ -305,3 +305,17 @@ def test_residual_handoff_on_random_forests(lists, chunk_size, dp, extra_capacit
         assert f"into a multiple of {dp} non-empty microbatches" in str(err)
         return
     check_residual_handoff(plan, chunk_size)
+
+
+def test_a_plan_without_residual_calls_runs_without_reuse(kimi):
+    """Plans from the hartsc that wrote producers before consumers had residual calls still run exactly."""
+    plan = compile_windows(two_trees(), chunk_size=16)
+    old = [{k: v for k, v in mb.items() if not k.startswith("residual_")} for mb in plan.microbatches]
+    old_plan = type(plan)(header=plan.header, step=plan.step, microbatches=old, summary=plan.summary,
+                          producers=plan.producers)
+    with pytest.warns(UserWarning, match="compiled by an older hartsc"):
+        result = run_step(old_plan, kimi, backward=False)
+    assert result.producers_run == 0
+    want = run_step(plan, kimi, backward=False, windows=False)
+    for key, lp in want.logprobs.items():
+        np.testing.assert_array_equal(result.logprobs[key], lp)

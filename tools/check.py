@@ -282,8 +282,11 @@ def check_residual(i: int, mb: dict, producer: dict | None, chunk_size: int) -> 
     keys = ("residual_sequence_round", "residual_sequence_token_offsets", "residual_token_rows",
             "residual_sequence_replay", "residual_sequence_start_position", "residual_sequence_start_state",
             "residual_sequence_producer_state", "residual_export_sequence", "residual_export_chunk")
-    if any(key not in mb for key in keys):
-        fail(i, "a consumer has its decoder-row calls", "a residual_* table is missing")
+    present = [key in mb for key in keys]
+    if not any(present):
+        return   # a plan from an older hartsc: consumers run their complete layouts, nothing to check
+    if not all(present):
+        fail(i, "a consumer has all of its decoder-row calls", "some residual_* tables are missing")
     B = chunk_size
     cached_by = np.asarray(mb["row_cached_by"], dtype=np.int64)
     parent = np.asarray(mb["row_parent"], dtype=np.int64)
