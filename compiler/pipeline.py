@@ -112,7 +112,17 @@ class CompileResult:
         ] + ([] if self.placement is None else [
             f"place-windows: {self.placement.candidate}; {self.placement.num_windows} windows, "
             f"{self.placement.decoder_tokens} decoder tokens ({int(self.placement.producer_tokens.sum())} in "
-            f"{len(self.producers)} producers), key={self.placement.key} ({secs.get('place-windows', 0):.3f}s)"])
+            f"{len(self.producers)} producers), key={self.placement.key} ({secs.get('place-windows', 0):.3f}s)",
+            self._residual_line()])
+
+    def _residual_line(self) -> str:
+        readers = [mb for mb in self.plan.microbatches if "residual_token_rows" in mb]
+        sequences = sum(len(mb["residual_sequence_round"]) for mb in readers)
+        replay = sum(int(np.sum(mb["residual_sequence_replay"])) for mb in readers)
+        handed = sum(int(np.count_nonzero(mb["residual_sequence_producer_state"] >= 0)) for mb in readers)
+        return (f"plan-residual: {len(readers)} consumers read a producer; {sequences} sequences, "
+                f"{replay} replay tokens, {handed} start from a producer state "
+                f"({self.pass_seconds.get('plan-residual', 0):.3f}s)")
 
 
 def member_lcps(trie: TrieIR, members: np.ndarray) -> np.ndarray:
