@@ -39,6 +39,7 @@ class StepResult:
     microbatch_seconds: list = field(default_factory=list)
     producers_run: int = 0             # window producers executed (L1+L2 plans with windows on)
     producer_backward_passes: int = 0  # autograd traversals of producer graphs (one per producer)
+    most_live_producers: int = 0       # producer graphs held at once (memory)
 
 
 def _meta(plan: Plan, flat: np.ndarray, weights: np.ndarray, device: torch.device) -> PositionMeta:
@@ -71,7 +72,8 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
              backward: bool = True, microbatches: list[int] | None = None,
              pack_expanded: bool = True, recompute: bool = False, progress=None,
              windows: bool = True) -> StepResult:
-    """Forward (and backward) of the step's microbatches, in plan order (slot, replica).
+    """Forward (and backward) of the step's microbatches, in plan order (slot, replica; with
+    windows, window by window and replica by replica).
 
     `windows` (compact mode, plans compiled with `--levels l1+l2`): each
     window's producer runs once before its first consumer that reads it,
@@ -121,6 +123,11 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
                       "every consumer on its complete layout, without its window producer's reuse; recompile "
                       "the plan with this hartsc to reuse shared prefixes across microbatches", stacklevel=2)
         use_windows = False
+    if use_windows:
+        # One process running several replicas: finish a (window, replica) before the next, so only
+        # one producer graph is alive at a time (slot order within a replica is kept; a rank of a
+        # data-parallel run holds one replica anyway). Gradients are sums: the order does not matter.
+        work.sort(key=lambda item: (int(item[0]["window"]), int(item[0]["replica"])))
     schedule = WindowSchedule(plan.producers if use_windows else None, [mb for mb, _ in work], backward)
     for i, (mb, group) in enumerate(progress(work, f"{mode} microbatches") if progress else work):
         t0 = time.perf_counter()
@@ -155,4 +162,5 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     return StepResult(logprobs=logprobs, loss=total_loss, objective=objective_total, grads=grads, moe_load=loads, moe_aux_loss=aux_total,
                       moe_z_loss=z_total, seconds=time.perf_counter() - started, rows=rows + schedule.rows,
                       microbatch_seconds=times, producers_run=schedule.producers_run,
-                      producer_backward_passes=schedule.backward_passes)
+                      producer_backward_passes=schedule.backward_passes,
+                      most_live_producers=schedule.most_live)

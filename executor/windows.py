@@ -143,7 +143,7 @@ class WindowSchedule:
         self.last_reader = {cell: i for i, cell in enumerate(self.cell_of) if cell is not None}
         self.backward = backward
         self.live: dict = {}
-        self.rows = self.producers_run = self.backward_passes = 0
+        self.rows = self.producers_run = self.backward_passes = self.most_live = 0
 
     def source(self, i: int, runner, layout: ExecLayout) -> RowSource:
         """Where microbatch i's decoder reads rows it does not compute (running its producer if needed)."""
@@ -159,6 +159,7 @@ class WindowSchedule:
                 runner.hidden_states(producer, None, record)
             self.rows += producer.num_rows
             self.producers_run += 1
+            self.most_live = max(self.most_live, len(self.live))
         return ConsumerView(record, layout.cached)
 
     def finished(self, i: int) -> None:

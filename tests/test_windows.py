@@ -77,6 +77,7 @@ def test_windows_give_the_gradients_of_running_every_consumer_without_reuse(kimi
         # Each producer ran once and its graph was traversed by exactly one backward pass.
         assert reuse.producers_run == len(plan.producers)
         assert reuse.producer_backward_passes == reuse.producers_run
+        assert reuse.most_live_producers == 1   # replica by replica, even for a dp = 2 plan in one process
         assert alone.producers_run == 0
         decoder = sum(len(p["row_token"]) for p in plan.producers) + sum(
             int(np.count_nonzero(np.asarray(mb["row_cached_by"]) < 0)) for mb in plan.microbatches)
