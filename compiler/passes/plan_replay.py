@@ -125,10 +125,8 @@ def plan_replay(layout: CompactLayout, schedule: RoundSchedule, external_roots: 
     sequence_start_state = np.full(Q, -1, dtype=np.int64)
     sequence_start_state[needs_state] = state_index
 
-    sequence_of_exec = np.repeat(np.arange(Q), sequence_num_rows)
-    export_sequence = sequence_of_exec[export_row] if len(export_row) else np.zeros(0, np.int64)
-    local_end = replay_len[export_sequence] + (export_row - sequence_row_start[export_sequence]) + 1
-    export_chunk = local_end // B
+    export_sequence, export_chunk = _locate_exports(export_row, sequence_row_start, sequence_num_rows, replay_len, B,
+                                                    "an anchor state falls inside a chunk of its producer")
 
     rounds = schedule.sequence_round.astype(np.int64)
     round_offsets = np.searchsorted(rounds, np.arange(1, schedule.num_rounds + 2), side="left").astype(np.int64)
@@ -144,15 +142,24 @@ def plan_replay(layout: CompactLayout, schedule: RoundSchedule, external_roots: 
         replay_rows=replay_rows,
         sequence_start_state=sequence_start_state,
         export_row=export_row.astype(np.int64),
-        export_sequence=export_sequence.astype(np.int64),
-        export_chunk=export_chunk.astype(np.int64),
+        export_sequence=export_sequence,
+        export_chunk=export_chunk,
         round_offsets=round_offsets,
         sequence_external_start=external,
     )
-    if np.any(local_end % B != 0):
-        raise VerificationError("exports sit on chunk boundaries",
-                                "an anchor state falls inside a chunk of its producer")
     return plan
+
+
+def _locate_exports(export_row, sequence_row_start, sequence_num_rows, replay_len, chunk_size: int,
+                    problem: str) -> tuple[np.ndarray, np.ndarray]:
+    """(sequence, whole chunks before) of the state after each memory row in `export_row`;
+    every such state must end a whole chunk of its sequence (replay included)."""
+    sequence_of_exec = np.repeat(np.arange(len(sequence_num_rows)), sequence_num_rows)
+    export_sequence = sequence_of_exec[export_row] if len(export_row) else np.zeros(0, np.int64)
+    local_end = replay_len[export_sequence] + (export_row - sequence_row_start[export_sequence]) + 1
+    if np.any(local_end % chunk_size != 0):
+        raise VerificationError("exports sit on chunk boundaries", problem)
+    return export_sequence.astype(np.int64), (local_end // chunk_size).astype(np.int64)
 
 
 def with_exports(replay: ReplayPlan, rows: np.ndarray, chunk_size: int) -> tuple[ReplayPlan, np.ndarray]:
@@ -167,17 +174,12 @@ def with_exports(replay: ReplayPlan, rows: np.ndarray, chunk_size: int) -> tuple
     """
     rows = np.asarray(rows, dtype=np.int64)
     export_row = np.union1d(replay.export_row, rows).astype(np.int64)
-    sequence_of_exec = np.repeat(np.arange(len(replay.sequence_round)), replay.sequence_num_rows)
-    export_sequence = sequence_of_exec[export_row] if len(export_row) else np.zeros(0, np.int64)
-    replay_len = np.diff(replay.sequence_replay_offsets)
-    local_end = replay_len[export_sequence] + (export_row - replay.sequence_row_start[export_sequence]) + 1
-    if np.any(local_end % chunk_size != 0):
-        raise VerificationError("exports sit on chunk boundaries",
-                                "a requested anchor state falls inside a chunk of its producer")
+    export_sequence, export_chunk = _locate_exports(
+        export_row, replay.sequence_row_start, replay.sequence_num_rows, np.diff(replay.sequence_replay_offsets),
+        chunk_size, "a requested anchor state falls inside a chunk of its producer")
     start_state = replay.sequence_start_state.copy()
     has = start_state >= 0
     start_state[has] = np.searchsorted(export_row, replay.export_row[start_state[has]])
-    extended = dataclasses.replace(replay, export_row=export_row, export_sequence=export_sequence.astype(np.int64),
-                                   export_chunk=(local_end // chunk_size).astype(np.int64),
-                                   sequence_start_state=start_state)
+    extended = dataclasses.replace(replay, export_row=export_row, export_sequence=export_sequence,
+                                   export_chunk=export_chunk, sequence_start_state=start_state)
     return extended, np.searchsorted(export_row, rows).astype(np.int64)
