@@ -199,10 +199,8 @@ def build_layout(mb: dict, token_offsets: np.ndarray, chunk_size: int, mode: str
     """The rows one microbatch runs in `mode`; `members` (expanded mode only) selects a subset.
 
     `windows` (compact mode): a consumer with cached rows runs only its
-    uncached rows through the decoder (see `consumer_layout`).
+    uncached rows through the decoder (see `_read_producer`).
     """
-    if windows and mode == "compact" and has_cached_rows(mb):
-        return consumer_layout(build_layout(mb, token_offsets, chunk_size, mode), mb)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if members is not None and mode != "expanded":
@@ -241,14 +239,16 @@ def build_layout(mb: dict, token_offsets: np.ndarray, chunk_size: int, mode: str
         row_position = _array(mb["row_position"])
         row_parent = _array(mb["row_parent"])
         row_weight = _array(mb["row_multiplicity"], np.float64)
-        if mode == "compact":
-            calls = _compact_calls(mb)
-        else:
-            calls = _nodewise_calls(mb, chunk_size)
         views = AttentionViews.from_plan(row_parent=row_parent, row_position=row_position,
                                          member_own_start=mb["member_own_start"], member_run_offsets=run_offsets,
                                          run_row_start=run_start, run_length=run_length)
         positions = _positions(path_rows, lengths, row_token, trajectories, token_offsets)
+        if mode == "compact" and windows and has_cached_rows(mb):
+            return _read_producer(mb, ExecLayout(
+                mode=mode, row_token=_long(row_token), row_position=_long(row_position), row_parent=row_parent,
+                row_weight=torch.from_numpy(row_weight), calls=None, views=views, position_row=positions[0],
+                position_label=positions[1], position_flat=positions[2], member_trajectory=trajectories))
+        calls = _compact_calls(mb) if mode == "compact" else _nodewise_calls(mb, chunk_size)
     return ExecLayout(mode=mode, row_token=_long(row_token), row_position=_long(row_position), row_parent=row_parent,
                       row_weight=torch.from_numpy(np.asarray(row_weight, dtype=np.float64)), calls=calls, views=views,
                       position_row=positions[0], position_label=positions[1], position_flat=positions[2],
@@ -293,10 +293,10 @@ def has_cached_rows(mb: dict) -> bool:
     return "row_cached_by" in mb and bool(np.any(np.asarray(mb["row_cached_by"]) >= 0))
 
 
-def consumer_layout(complete: ExecLayout, mb: dict) -> ExecLayout:
-    """A window consumer: `complete`'s rows, LM-head positions and statistics weights, with
-    the decoder on the uncached rows only (the plan's `residual_*` calls, views querying
-    only those rows) and `cached` naming each cached row's producer row."""
+def _read_producer(mb: dict, complete: ExecLayout) -> ExecLayout:
+    """A window consumer: `complete`'s rows, LM-head positions and statistics weights (its
+    calls not yet set), with the decoder on the uncached rows only (the plan's `residual_*`
+    calls, views querying only those rows) and `cached` naming each cached row's producer row."""
     cached_by = np.asarray(mb["row_cached_by"], dtype=np.int64)
     is_decoder = cached_by < 0
     decoder_rows = np.flatnonzero(is_decoder)
