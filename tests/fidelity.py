@@ -166,3 +166,31 @@ def check_expert_loads_count_every_occurrence(model, seed: int = 2) -> None:
     assert sorted(result.moe_load) == sparse
     for load in result.moe_load.values():
         assert load.sum() == top_k * sum(len(t) for t in lists)
+
+
+def check_random_forest_compact_equals_expanded(model, lists, chunk_size: int, dp: int) -> None:
+    """A random forest compiled with B = chunk_size and D = dp: compact and expanded (packed under
+    the plan's capacity) agree on every log-probability and gradient."""
+    dp = min(dp, len(lists))
+    plan = compile_lists(lists, chunk_size=chunk_size, dp=dp, capacity=max(len(t) for t in lists) + 30)
+    compact = run_step(plan, model, mode="compact")
+    expanded = run_step(plan, model, mode="expanded")
+    for key, lp in compact.logprobs.items():
+        assert np.nanmax(np.abs(lp - expanded.logprobs[key])) <= 1e-5
+    floor = gradient_floor(compact.grads)
+    for name, grad in compact.grads.items():
+        assert relative_error(expanded.grads[name], grad, floor) <= 1e-4, name
+
+
+def check_recomputation_keeps_gradients_and_statistics(model) -> None:
+    """Full-layer recomputation: the same loss, MoE statistics and gradients as without it."""
+    lists = boundary_tree(np.random.default_rng(3))
+    plan = compile_lists(lists)
+    loss = LossConfig("nll", moe_aux_coef=0.01, moe_z_coef=0.001)
+    plain = run_step(plan, model, loss=loss)
+    recomputed = run_step(plan, model, loss=loss, recompute=True)
+    assert recomputed.loss == plain.loss and recomputed.moe_aux_loss == plain.moe_aux_loss
+    for layer, load in plain.moe_load.items():
+        np.testing.assert_array_equal(recomputed.moe_load[layer], load)
+    for name, grad in plain.grads.items():
+        torch.testing.assert_close(recomputed.grads[name], grad, rtol=1e-6, atol=1e-9)

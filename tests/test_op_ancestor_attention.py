@@ -26,13 +26,7 @@ from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.passes.build_trie import build_trie
 from harts.executor.ops.ancestor_attention import AttentionViews, ancestor_attention, naive_ancestor_attention
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add overhead, and on a busy shared CPU they spin (10x slower)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 PLAN_KEYS = ("row_parent", "row_position", "member_own_start", "member_run_offsets", "run_row_start", "run_length")

@@ -25,7 +25,7 @@ from harts.schema.plan import encode_plan, read_plan, write_plan
 from harts.schema.summary import plan_statistics
 from harts.tools.check import check_plan
 
-from prefix_inputs import forests
+from prefix_inputs import forests, lengths_and_lcp
 
 
 def compile_l2(lists, **flags):
@@ -166,12 +166,7 @@ def _sorted_forest():
     """Sorted lengths and LCPs of a small forest with a shared stem, and a placement of it on 2 replicas."""
     stem = [3] * 10
     lists = sorted([stem + [k, k, k] for k in range(4)] + [stem[:6] + [9, 9]] + [[8, 8, 8]])
-    lengths = np.array([len(t) for t in lists], dtype=np.int64)
-    lcp = np.zeros(len(lists), dtype=np.int64)
-    for i in range(1, len(lists)):
-        a, b = lists[i - 1], lists[i]
-        while lcp[i] < min(len(a), len(b)) and a[lcp[i]] == b[lcp[i]]:
-            lcp[i] += 1
+    lengths, lcp = lengths_and_lcp(lists)
     partition = partition_microbatches(lengths, lcp, capacity=14, dp=2)
     placement = place_windows(_Trie(lengths, lcp), partition, capacity=14, dp=2, options=L2Options())
     verify_placement(lengths, lcp, placement, 14, 2)

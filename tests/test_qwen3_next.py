@@ -29,9 +29,9 @@ from harts.executor.models.hf_reference import trajectory_logprobs
 from harts.executor.models.registry import runner_for
 from harts.executor.runtime import run_step
 
-from fidelity import (VOCAB, boundary_tree, check_expert_loads_count_every_occurrence, check_matches_hugging_face,
-                      check_modes_agree, compile_lists, gradient_floor, hf_reference, relative_error, small_forests,
-                      tiny_qwen3_next)
+from fidelity import (VOCAB, check_expert_loads_count_every_occurrence, check_matches_hugging_face, check_modes_agree,
+                      check_random_forest_compact_equals_expanded, check_recomputation_keeps_gradients_and_statistics,
+                      compile_lists, gradient_floor, hf_reference, relative_error, small_forests, tiny_qwen3_next)
 
 
 @pytest.fixture(scope="module")
@@ -93,16 +93,7 @@ def test_router_statistics_use_the_softmax_router(model):
 
 
 def test_recomputation_gives_the_same_gradients_and_statistics(model):
-    lists = boundary_tree(np.random.default_rng(3))
-    plan = compile_lists(lists)
-    loss = LossConfig("nll", moe_aux_coef=0.01, moe_z_coef=0.001)
-    plain = run_step(plan, model, loss=loss)
-    recomputed = run_step(plan, model, loss=loss, recompute=True)
-    assert recomputed.loss == plain.loss and recomputed.moe_aux_loss == plain.moe_aux_loss
-    for layer, load in plain.moe_load.items():
-        np.testing.assert_array_equal(recomputed.moe_load[layer], load)
-    for name, grad in plain.grads.items():
-        torch.testing.assert_close(recomputed.grads[name], grad, rtol=1e-6, atol=1e-9)
+    check_recomputation_keeps_gradients_and_statistics(model)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -112,15 +103,7 @@ def test_random_trees_compact_equals_expanded(model, lists, chunk_size, dp):
     # last layer's k_proj gradient is zero in exact arithmetic and float noise that exceeds
     # the floor; it is measured there against the reference's exact zero.
     assume(max(len(t) for t in lists) >= 3)
-    dp = min(dp, len(lists))
-    plan = compile_lists(lists, chunk_size=chunk_size, dp=dp, capacity=max(len(t) for t in lists) + 30)
-    compact = run_step(plan, model, mode="compact")
-    expanded = run_step(plan, model, mode="expanded")   # packed under the plan's capacity
-    for key, lp in compact.logprobs.items():
-        assert np.nanmax(np.abs(lp - expanded.logprobs[key])) <= 1e-5
-    floor = gradient_floor(compact.grads)
-    for name, grad in compact.grads.items():
-        assert relative_error(expanded.grads[name], grad, floor) <= 1e-4, name
+    check_random_forest_compact_equals_expanded(model, lists, chunk_size, dp)
 
 
 def test_a_gradient_that_is_zero_in_exact_arithmetic_is_float_noise(model):
