@@ -55,6 +55,8 @@ class RowRunner:
                       window: RowSource = PASSTHROUGH) -> torch.Tensor:
         """Final hidden states [R, D] (after the last norm), one per row of the layout."""
         base = self.model.model
+        if stats is not None:
+            stats.tokens = stats.tokens + layout.row_weight.sum()
         if layout.num_decoder_rows == 0:
             return self.all_cached(layout, stats, window)
         context = None
@@ -65,8 +67,6 @@ class RowRunner:
         h_RD = base.embed_tokens(layout.decoder_view(layout.row_token))
         window.started(h_RD)
         inputs = self.layer_inputs(layout, h_RD)
-        if stats is not None:
-            stats.tokens = stats.tokens + layout.row_weight.sum()
         self._recording = True
         for index, layer in enumerate(base.layers[: self.config.num_hidden_layers]):
             args = (index, layer, h_RD, layout, context, inputs, stats, window)
@@ -82,7 +82,6 @@ class RowRunner:
         """A window consumer whose every row its producer computed: it reads only the router
         outputs (for its own occurrence-weighted statistics) and the final hidden states."""
         if stats is not None:
-            stats.tokens = stats.tokens + layout.row_weight.sum()
             for index in window.layers_with("router_logits"):
                 self.record_router(stats, index, layout.row_weight, window.complete("router_logits", index, None),
                                    window.complete("router_topk", index, None))
