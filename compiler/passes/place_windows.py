@@ -85,6 +85,16 @@ the choices filling the gaps are:
   moving a chain in. Each move is evaluated exactly (capacities of complete
   layouts and producers included) and kept when (Phi, sum of squared costs)
   decreases; the squared costs level work where Phi alone is flat.
+* Placement exchanges (at most `exchange_rounds` accepted): two consumers of
+  one window on different replicas trade places. Complete layouts do not
+  change, so only producers can break capacity; the cost is that a consumer
+  leaves the producer that cached its shared rows. Moving trajectories rarely
+  levels slots on long-context workloads (a chain's history rarely fits in
+  another consumer), while trading whole consumers matches the replicas'
+  slot profiles. Every swap is first scored with costs held fixed (slots of
+  a cell re-sorted, the window's sum of slot maxima), the best
+  `exchange_candidates` are evaluated exactly, and the best is kept when
+  (Phi, sum of squared costs) decreases and tokens stay within L1's.
 
 Everything is deterministic; no randomness is used (`seed` is recorded only).
 Legend: N sorted positions, K consumers, D replicas, J slots, W windows,
@@ -124,6 +134,10 @@ class L2Options:
     repack_shares: tuple[float, ...] = (1.0,)
     # Local refinement: at most this many accepted or rejected move rounds.
     refine_steps: int = 32
+    # Placement exchanges: at most this many accepted whole-consumer swaps, each
+    # chosen among this many surrogate-ranked swaps evaluated exactly.
+    exchange_rounds: int = 24
+    exchange_candidates: int = 32
     seed: int = 0                       # recorded only: the pass is deterministic
 
 
@@ -933,6 +947,65 @@ def _refine(model: PrefixCostModel, options: L2Options, layout: _Layout, dp: int
     return layout
 
 
+def _exchange_candidates(layout: _Layout, cost: np.ndarray, dp: int) -> list[tuple[int, int, int]]:
+    """Swaps (change, x, y) of consumers x, y in different cells of one window that lower its Phi at fixed costs.
+
+    With costs held fixed, a window's Phi is the sum over slot ranks of the
+    largest rank-th cost over its cells (each cell's slots are its costs in
+    descending order, as `_score` orders them). For a pair of cells all
+    |A| x |B| swaps are scored at once; best (most negative change) first.
+    """
+    found = []
+    W = len(layout.window_start) - 1
+    for w in range(W):
+        members = [np.flatnonzero(layout.cell_of_consumer == g) for g in range(w * dp, (w + 1) * dp)]
+        profile = np.stack([np.sort(cost[m]) for m in members])   # ascending: rank-aligned across cells
+        base = int(profile.max(axis=0).sum())
+        for a in range(dp):
+            for b in range(a + 1, dp):
+                rest = np.delete(profile, [a, b], axis=0).max(axis=0, initial=0)
+                xs, ys = members[a], members[b]
+                nx, ny, slots = len(xs), len(ys), profile.shape[1]
+                # cell a with x replaced by y, and cell b with y replaced by x: [x, y, slot]
+                new_a = np.broadcast_to(cost[xs], (nx, ny, slots)).copy()
+                new_a[np.arange(nx), :, np.arange(nx)] = np.broadcast_to(cost[ys], (nx, ny))
+                new_b = np.broadcast_to(cost[ys], (nx, ny, slots)).copy()
+                new_b[:, np.arange(ny), np.arange(ny)] = np.broadcast_to(cost[xs][:, None], (nx, ny))
+                new_a.sort(axis=2)
+                new_b.sort(axis=2)
+                change = np.maximum(np.maximum(new_a, new_b), rest).sum(axis=2) - base
+                i, j = np.nonzero(change < 0)
+                found += zip(change[i, j].tolist(), xs[i].tolist(), ys[j].tolist())
+    found.sort()
+    return found
+
+
+def _exchange(model: PrefixCostModel, options: L2Options, layout: _Layout, dp: int, capacity: int,
+              token_limit: int, decisions: list[str]) -> _Layout:
+    """Placement exchanges: whole consumers of one window trade replicas; see the module docstring."""
+    potential = _potential(layout)
+    accepted = evaluations = 0
+    for _ in range(options.exchange_rounds):
+        cost = layout.ev.res_f + layout.ev.res_b
+        best = best_score = None
+        for _, x, y in _exchange_candidates(layout, cost, dp)[:options.exchange_candidates]:
+            cells = layout.cell_of_consumer.copy()
+            cells[[x, y]] = cells[[y, x]]
+            trial = _Layout(layout.name, layout.consumer_of, cells, layout.window_start, layout.cap_of_cell)
+            evaluations += 1
+            if not _score(model, options, trial, dp, capacity, allow_caps=False) or trial.key[1] > token_limit:
+                continue
+            score = (trial.key[0], _potential(trial))
+            if score < (layout.key[0], potential) and (best is None or score < best_score):
+                best, best_score = trial, score
+        if best is None:
+            break
+        layout, potential = best, best_score[1]
+        accepted += 1
+    decisions.append(f"exchanges: {accepted} consumer swaps accepted, {evaluations} evaluated, key={layout.key}")
+    return layout
+
+
 def _push_moves(model, layout: _Layout, ev: _Eval, a: int, dp: int, capacity: int) -> list:
     """Candidate moves out of the heavy consumer a: (positions, from, to); -1 - p moves p from `to` to `from`."""
     lengths = model.lengths
@@ -1073,6 +1146,7 @@ def place_windows(trie, partition: L1Partition, *, capacity: int, dp: int,
     decisions.append(f"selected {best.name} with key={best.key}")
     best = _trim(model, options, best, dp, capacity, token_limit, decisions)
     best = _refine(model, options, best, dp, capacity, token_limit, decisions)
+    best = _exchange(model, options, best, dp, capacity, token_limit, decisions)
     return _placement(model, best, dp, decisions)
 
 
