@@ -3,6 +3,7 @@
 Usage:
     python benchmarks/bench_planners.py [--kinds stepwise,treestep] [--dp 2,4,8] [--capacity 65536]
                                         [--preset paper|small] [--ffd-budget SECONDS] [--no-ffd]
+                                        [--pairs-per-token R]
 
 For each generated workload (`harts.tools.gen.preset(preset, kind)`, built in
 memory) and each DP degree D, compiles the step with L1 alone, with L1+L2
@@ -24,6 +25,10 @@ row per planner:
 * slots, windows, planning seconds (L1/FFD partition, L2 placement, layouts,
   rounds, replay and lowering; not reading, not the trie).
 
+`--pairs-per-token` is hartsc's: L2's cost model (default the paper's
+models; 0 makes L2 balance tokens, the unit of the balance columns, and then
+"cost bal" equals "balance").
+
 Then, for D = 8, whether the issue's targets hold: L1+L2 decoder work at
 least 25% below L1, balance >= 97%, P5 >= 90%, L1+L2 planning under 1.5 s.
 The decoder target is also compared with what any plan could reach: every
@@ -37,6 +42,7 @@ import dataclasses
 import time
 
 from harts.compiler.ir.trajectories import TrajectoryBatch
+from harts.compiler.passes.place_windows import DEFAULT_PAIRS_PER_TOKEN
 from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.schema.errors import HartsError
 from harts.schema.summary import plan_statistics
@@ -91,17 +97,21 @@ def main() -> None:
     parser.add_argument("--ffd-budget", type=float, default=None,
                         help="run FFD's CP-SAT search with this budget per replica instead of first-feasible")
     parser.add_argument("--no-ffd", action="store_true", help="skip the FFD comparison planner")
+    parser.add_argument("--pairs-per-token", type=int, default=DEFAULT_PAIRS_PER_TOKEN,
+                        help=f"L2's cost model, as hartsc's flag (default {DEFAULT_PAIRS_PER_TOKEN}; 0: tokens only)")
     args = parser.parse_args()
 
     header = (f"{'workload':<9} {'D':>2} {'planner':<7} {'compr':>7} {'decoder':>10} {'vs L1':>7} {'balance':>8} "
               f"{'cost bal':>8} {'P5':>7} {'step-tot':>8} {'slots':>5} {'win':>4} {'plan s':>7}")
+    print(f"L2 cost model: --pairs-per-token {args.pairs_per_token}")
     print(header)
     print("-" * len(header))
     verdicts = []
     for kind in args.kinds.split(","):
         batch = build_batch(args.preset, kind)
         for dp in (int(d) for d in args.dp.split(",")):
-            base = CompileOptions(dp=dp, capacity=args.capacity, chunk_size=args.chunk_size, levels="l1")
+            base = CompileOptions(dp=dp, capacity=args.capacity, chunk_size=args.chunk_size, levels="l1",
+                                  pairs_per_token=args.pairs_per_token)
             rows = {"L1": run(batch, base), "L1+L2": run(batch, dataclasses.replace(base, levels="l1+l2"))}
             if not args.no_ffd:
                 rows["FFD"] = run(batch, ffd_options(base, args.ffd_budget))

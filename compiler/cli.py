@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from harts.compiler.passes.partition_ffd import SHARD_UNITS
+from harts.compiler.passes.place_windows import DEFAULT_PAIRS_PER_TOKEN
 from harts.compiler.pipeline import LEVELS, PLANNERS, CompileOptions, compile_batch
 from harts.progress import terminal_progress
 from harts.schema.errors import HartsError
@@ -44,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--planner ffd: what first-fit decreasing balances over DP replicas by original tokens: "
                         "whole trie subtrees of at most one replica's share (default; keeps a rollout's steps together) "
                         "or single trajectories")
+    p.add_argument("--pairs-per-token", type=int, default=DEFAULT_PAIRS_PER_TOKEN, metavar="R",
+                   help="L2 cost model: a computed token's linear-layer work in full-attention query-key pairs, "
+                        "about 2 x active parameters / (4 x heads x head width x full-attention layers); "
+                        f"0 balances tokens only (default {DEFAULT_PAIRS_PER_TOKEN}, the paper's models)")
     p.add_argument("--seed", type=int, default=0, help="seed for randomised search and the ffd planner's CP-SAT (default 0)")
     p.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= this (default: no check)")
     p.add_argument("--debug", action="store_true", help="verify the IR after every pass (slow at paper scale)")
@@ -57,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     options = CompileOptions(dp=args.dp, capacity=args.capacity, chunk_size=args.chunk_size, planner=args.planner,
                              levels=args.levels, seed=args.seed, vocab_size=args.vocab_size, verify=args.debug,
                              ffd_time_budget=args.ffd_time_budget, ffd_first_feasible=args.ffd_first_feasible,
-                             ffd_shard=args.ffd_shard)
+                             ffd_shard=args.ffd_shard, pairs_per_token=args.pairs_per_token)
     try:
         from harts.compiler.read_trees import read_trees
         t0 = time.perf_counter()

@@ -31,7 +31,7 @@ from harts.compiler.passes.lower_plan import (lower_cached_rows, lower_microbatc
 from harts.compiler.passes.partition_ffd import SHARD_UNITS, partition_ffd
 from harts.compiler.passes.partition_microbatches import (L1Options, L1Partition, partition_microbatches,
                                                           verify_partition)
-from harts.compiler.passes.place_windows import L2Options, L2Placement, place_windows, verify_placement
+from harts.compiler.passes.place_windows import DEFAULT_PAIRS_PER_TOKEN, L2Options, L2Placement, place_windows, verify_placement
 from harts.compiler.passes.plan_replay import ReplayPlan, plan_replay, with_exports
 from harts.compiler.passes.plan_residual import ResidualPlan, plan_residual, verify_residual
 from harts.schema.errors import PassFailedError
@@ -55,6 +55,10 @@ class CompileOptions:
     ffd_time_budget: float = 10.0   # --planner ffd: CP-SAT budget per replica, in deterministic seconds
     ffd_first_feasible: bool = False  # --planner ffd: stop each replica's search at its first solution
     ffd_shard: str = "subtree"      # --planner ffd: FFD shard unit, "subtree" (whole rollout subtrees) or "trajectory"
+    # L2's cost model: one computed row's linear-layer work in full-attention
+    # query-key pairs (2 x active parameters / per-pair attention FLOPs of all
+    # full-attention layers); 0 counts rows only. The default fits the paper's models.
+    pairs_per_token: int = DEFAULT_PAIRS_PER_TOKEN
 
     @property
     def effective_levels(self) -> str:
@@ -68,7 +72,8 @@ class CompileOptions:
         return {"dp": self.dp, "capacity": self.capacity, "chunk_size": self.chunk_size,
                 "planner": self.planner, "levels": self.effective_levels, "seed": self.seed,
                 "vocab_size": self.vocab_size, "ffd_time_budget": self.ffd_time_budget,
-                "ffd_first_feasible": self.ffd_first_feasible, "ffd_shard": self.ffd_shard}
+                "ffd_first_feasible": self.ffd_first_feasible, "ffd_shard": self.ffd_shard,
+                "pairs_per_token": self.pairs_per_token}
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +160,9 @@ def check_options(options: CompileOptions) -> None:
         if options.ffd_shard not in SHARD_UNITS:
             raise PassFailedError("options", f"unknown --ffd-shard '{options.ffd_shard}'",
                                   f"use one of {', '.join(SHARD_UNITS)}")
+    if options.pairs_per_token < 0:
+        raise PassFailedError("options", f"--pairs-per-token must be >= 0, got {options.pairs_per_token}",
+                              f"pass 0 to balance rows only, or the model's ratio (default {DEFAULT_PAIRS_PER_TOKEN})")
     for name in ("dp", "capacity", "chunk_size"):
         if getattr(options, name) < 1:
             raise PassFailedError("options", f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}",
@@ -188,7 +196,8 @@ def compile_batch(batch: TrajectoryBatch, options: CompileOptions, progress=None
     placement = None
     if options.effective_levels == "l1+l2":
         placement = timed("place-windows", place_windows, trie, partition, capacity=options.capacity,
-                          dp=options.dp, options=L2Options(seed=options.seed))
+                          dp=options.dp,
+                          options=L2Options.for_pairs_per_token(options.pairs_per_token, seed=options.seed))
         if options.verify:
             verify_placement(trie.lengths, trie.lcp, placement, options.capacity, options.dp)
     members_of = placement.members if placement is not None else partition.members

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from harts.compiler.ir.trajectories import TrajectoryBatch
+from harts.compiler.passes.place_windows import DEFAULT_PAIRS_PER_TOKEN
 from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.executor.losses import LossConfig
 from harts.executor.runtime import StepResult, run_step
@@ -70,11 +71,13 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
                          old_logprobs: Sequence[Sequence[float]] | None = None,
                          ref_logprobs: Sequence[Sequence[float]] | None = None,
                          dp: int = 1, capacity: int = 65536, chunk_size: int = 64,
-                         vocab_size: int | None = None, levels: str = "l1+l2") -> Plan:
+                         vocab_size: int | None = None, levels: str = "l1+l2",
+                         pairs_per_token: int = DEFAULT_PAIRS_PER_TOKEN) -> Plan:
     """Compile trajectories held in memory (same alignment as trees.jsonl: index i belongs to tokens[i]).
 
     `levels` is hartsc's `--levels`: "l1+l2" (default) adds sharing windows,
-    "l1" stops after L1 microbatches.
+    "l1" stops after L1 microbatches. `pairs_per_token` is `--pairs-per-token`
+    (L2's cost model; 0 balances tokens only).
 
     Checks what the file reader checks, raising `ValueError` with a fix:
     token ids are integers in [0, vocab_size), masks are 0/1 and every
@@ -111,7 +114,8 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
         raise ValueError(f"a trajectory has {max(lengths)} tokens, more than capacity {capacity}; "
                          "fix: raise capacity or truncate it")
     return compile_batch(batch, CompileOptions(dp=dp, capacity=capacity, chunk_size=chunk_size,
-                                               vocab_size=vocab_size, levels=levels)).plan
+                                               vocab_size=vocab_size, levels=levels,
+                                               pairs_per_token=pairs_per_token)).plan
 
 
 def run(plan: Plan, model, *, loss: str | LossConfig = "nll", mode: str = "compact",

@@ -173,6 +173,21 @@ def test_exchanges_lower_phi_and_keep_the_placement_valid():
     assert any(before.get(m, r) != r for m, r in after.items()), "some consumer changed replica"
 
 
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(forests(), st.integers(2, 3))
+def test_zero_pairs_per_token_balances_the_rows_harts_stats_reports(lists, dp):
+    """With --pairs-per-token 0 L2's own imbalance is exactly 1 - the plan's token balance (eta_sched)."""
+    dp = min(dp, len(lists))
+    try:
+        _, result = compile_l2(lists, dp=dp, capacity=max(len(t) for t in lists) + 4, chunk_size=2,
+                               pairs_per_token=0)
+    except PassFailedError as err:
+        assert f"into a multiple of {dp} non-empty microbatches" in str(err)
+        return
+    assert result.plan.flags["pairs_per_token"] == 0
+    assert plan_statistics(result.plan)["balance"] == pytest.approx(1.0 - result.placement.key[2], abs=1e-12)
+
+
 def test_producers_never_exceed_the_capacity():
     """Three groups each share a 30-token stem; one window's producer would need 90 rows > T = 40."""
     lists = []

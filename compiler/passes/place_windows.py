@@ -34,7 +34,8 @@ the choices filling the gaps are:
   work is 40k-65k pairs' for the paper's models: 2 x active parameters over
   ~4 x head width x heads x full-attention layers), beta_F = 1, and backward
   twice forward (alpha_B = 131,072, beta_B = 2). `L2Options` holds the four
-  weights. `harts stats` reports balance in tokens (Section 5.3), so a plan
+  weights; `hartsc --pairs-per-token R` sets alpha_F = R for another model
+  (0: rows only). `harts stats` reports balance in tokens (Section 5.3), so a plan
   balanced in this cost model can show a slightly lower token balance.
 * Phi is Equation 2 with these costs; candidates compare lexicographically by
   (Phi, producer + residual tokens, normalised imbalance 1 - sum of all costs
@@ -81,10 +82,12 @@ the choices filling the gaps are:
   lightest consumers of its own cell (whole-trajectory repacking within the
   window) or of other cells of its window (an exchange between heavy and
   light replicas, allowed only if tokens do not grow), and swapping a chain
-  for a smaller one there; pull rounds take the lightest consumer and try
-  moving a chain in. Each move is evaluated exactly (capacities of complete
-  layouts and producers included) and kept when (Phi, sum of squared costs)
-  decreases; the squared costs level work where Phi alone is flat.
+  for a smaller one there; pull rounds take the consumer furthest below its
+  slot's maximum and try moving in the tail of a nested chain (its longest
+  members) whose history it can hold. Each move is evaluated exactly
+  (capacities of complete layouts and producers included) and kept when
+  (Phi, sum of squared costs) decreases; the squared costs level work where
+  Phi alone is flat. Refinement runs again after the exchanges below.
 * Placement exchanges (at most `exchange_rounds` accepted): two consumers of
   one window on different replicas trade places. Complete layouts do not
   change, so only producers can break capacity; the cost is that a consumer
@@ -113,6 +116,7 @@ from harts.schema.errors import PassFailedError, VerificationError
 
 PASS_NAME = "place_windows"
 NO_CAP = np.int64(1) << 40   # a depth cap no trajectory reaches
+DEFAULT_PAIRS_PER_TOKEN = 65536   # alpha_F / beta_F for the paper's models (module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +143,22 @@ class L2Options:
     exchange_rounds: int = 24
     exchange_candidates: int = 32
     seed: int = 0                       # recorded only: the pass is deterministic
+
+    @classmethod
+    def for_pairs_per_token(cls, pairs_per_token: int, **fields) -> "L2Options":
+        """Weights for a model whose row costs `pairs_per_token` attention pairs (`hartsc --pairs-per-token`).
+
+        Backward stays twice forward. 0 drops the attention terms: every
+        computed row costs the same, so L2 balances rows, the unit `harts
+        stats` reports balance in.
+        """
+        if pairs_per_token < 0:
+            raise ValueError(f"pairs_per_token must be >= 0, got {pairs_per_token}")
+        if pairs_per_token == 0:
+            return cls(token_cost_forward=1, pair_cost_forward=0, token_cost_backward=2, pair_cost_backward=0,
+                       **fields)
+        return cls(token_cost_forward=pairs_per_token, pair_cost_forward=1,
+                   token_cost_backward=2 * pairs_per_token, pair_cost_backward=2, **fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -903,8 +923,9 @@ def _refine(model: PrefixCostModel, options: L2Options, layout: _Layout, dp: int
     moving one of its nested chains to the lightest consumers of its cell
     (repacking within the window) or of other cells of its window (an
     exchange between replicas); swapping a chain with a smaller chain of
-    those consumers. A pull round takes the lightest consumer and tries
-    moving in a chain from the heaviest consumers of its window. A move is
+    those consumers. A pull round takes the consumer furthest below its
+    slot's maximum and tries moving in the tail of a nested chain
+    (`_pull_moves`). A move is
     kept when (Phi, sum of squared costs) decreases lexicographically, the
     capacities hold, and, when it crosses replicas, tokens do not grow.
     """
@@ -915,7 +936,12 @@ def _refine(model: PrefixCostModel, options: L2Options, layout: _Layout, dp: int
         ev = layout.ev
         cost = ev.res_f + ev.res_b
         pull = step % 2 == 1
-        ranked = np.argsort(cost if pull else -cost, kind="stable").tolist()
+        if pull:
+            fwd, bwd, _, _ = _grid_costs(layout, dp)
+            deficit = (fwd + bwd).max(axis=0)[layout.slot] - cost
+            ranked = np.argsort(-deficit, kind="stable").tolist()
+        else:
+            ranked = np.argsort(-cost, kind="stable").tolist()
         order = [k for k in ranked if (k, pull) not in stuck]
         if not order:
             break
@@ -1047,43 +1073,57 @@ def _push_moves(model, layout: _Layout, ev: _Eval, a: int, dp: int, capacity: in
 
 
 def _pull_moves(model, layout: _Layout, ev: _Eval, b: int, dp: int, capacity: int) -> list:
-    """Candidate moves into the light consumer b: a nested chain from the heaviest consumers of its window."""
+    """Candidate moves into consumer b, which runs below its slot's maximum: tails of nested chains.
+
+    A tail is a chain's members from some member up; it leaves its consumer a
+    with the rows above the member below it, and b must then hold the tail's
+    longest member. Donors are b's cell mates and the two heaviest consumers
+    of other cells of its window. Only tails whose growth of b's complete
+    layout fits the capacity are proposed, two per chain, those moving about
+    half of b's deficit first (the donor's slot often has a deficit too).
+    """
     lengths = model.lengths
+    K = len(layout.cell_of_consumer)
     cost = ev.res_f + ev.res_b
+    fwd, bwd, _, _ = _grid_costs(layout, dp)
+    slot_max = (fwd + bwd).max(axis=0)
     cell = int(layout.cell_of_consumer[b])
     in_window = np.flatnonzero(layout.cell_of_consumer // dp == cell // dp)
     same_cell = in_window[(layout.cell_of_consumer[in_window] == cell) & (in_window != b)]
     other_cells = in_window[layout.cell_of_consumer[in_window] != cell]
-    heavy = (same_cell[np.argsort(-cost[same_cell], kind="stable")][:2].tolist()
-             + other_cells[np.argsort(-cost[other_cells], kind="stable")][:2].tolist())
-    per_row = max(1.0, cost[heavy].mean() / max(1, ev.res_n[heavy].mean())) if heavy else 1.0
-    wanted = max(1.0, (cost[in_window].mean() - cost[b]) / per_row)
-    moves = []
-    for a in heavy:
-        runs = _member_runs(np.flatnonzero(layout.consumer_of == a), lengths, ev.lcp_consumer)
-        if len(runs) < 2:
-            continue
-        sizes = _run_rows(runs, lengths, ev)
-        for r in np.argsort(np.abs(sizes - wanted), kind="stable")[:2].tolist():
-            moves.append((runs[r], a, b))
-    return moves
+    donors = same_cell.tolist() + other_cells[np.argsort(-cost[other_cells], kind="stable")][:2].tolist()
+    per_row = max(1.0, cost[b] / max(1, ev.res_n[b]))
+    wanted = max(1.0, (slot_max[layout.slot[b]] - cost[b]) / per_row / 2)
+    receiver = np.flatnonzero(layout.consumer_of == b)
+    ranked = []
+    for a in donors:
+        for run in _member_runs(np.flatnonzero(layout.consumer_of == a), lengths, ev.lcp_consumer):
+            if ev.full[b] + _growth(model, receiver, int(run[-1])) > capacity:
+                continue
+            below = np.concatenate([[ev.lcp_consumer[run[0]]], lengths[run[:-1]]])
+            moved = lengths[run[-1]] - below          # rows a no longer holds once run[i:] leaves
+            for i in np.argsort(np.abs(moved - wanted), kind="stable")[:2].tolist():
+                ranked.append((abs(float(moved[i]) - wanted), a, i, run))
+    ranked.sort(key=lambda t: t[:3])
+    return [(run[i:], a, b) for _, a, i, run in ranked[:12]]
+
+
+def _growth(model: PrefixCostModel, members: np.ndarray, x: int) -> int:
+    """Rows a consumer with these (sorted) members adds to its complete layout to hold trajectory x."""
+    at = int(np.searchsorted(members, x))
+    below = members[at - 1] if at > 0 else -1
+    above = members[at] if at < len(members) else model.num_trajectories
+    return int(model.lengths[x]) - max(int(model.neighbour_lcp(below, x)), int(model.neighbour_lcp(x, above)))
 
 
 def _best_receiver(model: PrefixCostModel, layout: _Layout, ev: _Eval, x: int, pool: np.ndarray, capacity: int) -> int:
     """The consumer of `pool` that takes trajectory x with the least growth of its complete layout (-1: none fits)."""
     best, best_growth = -1, None
     for b in pool.tolist():
-        members = np.flatnonzero(layout.consumer_of == b)
-        at = int(np.searchsorted(members, x))
-        below = members[at - 1] if at > 0 else -1
-        above = members[at] if at < len(members) else model.num_trajectories
-        shared = max(int(model.neighbour_lcp(below, x)), int(model.neighbour_lcp(x, above)))
-        growth = int(model.lengths[x]) - shared
+        growth = _growth(model, np.flatnonzero(layout.consumer_of == b), x)
         if ev.full[b] + growth <= capacity and (best_growth is None or growth < best_growth):
             best, best_growth = b, growth
     return best
-
-
 def _apply_move(layout: _Layout, positions: np.ndarray, a: int, b: int) -> _Layout | None:
     """Move positions >= 0 from a to b, and positions encoded as -1 - p from b to a; None if a consumer empties."""
     consumer_of = layout.consumer_of.copy()
@@ -1147,6 +1187,8 @@ def place_windows(trie, partition: L1Partition, *, capacity: int, dp: int,
     best = _trim(model, options, best, dp, capacity, token_limit, decisions)
     best = _refine(model, options, best, dp, capacity, token_limit, decisions)
     best = _exchange(model, options, best, dp, capacity, token_limit, decisions)
+    # Exchanges re-sort the slots; refining again pulls work into the consumers now below their slot's maximum.
+    best = _refine(model, options, best, dp, capacity, token_limit, decisions)
     return _placement(model, best, dp, decisions)
 
 
