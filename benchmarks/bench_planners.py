@@ -3,7 +3,7 @@
 Usage:
     python benchmarks/bench_planners.py [--kinds stepwise,treestep] [--dp 2,4,8] [--capacity 65536]
                                         [--preset paper|small] [--ffd-budget SECONDS] [--no-ffd]
-                                        [--pairs-per-token R]
+                                        [--pairs-per-token R] [--system-prompt-tokens N]
 
 For each generated workload (`harts.tools.gen.preset(preset, kind)`, built in
 memory) and each DP degree D, compiles the step with L1 alone, with L1+L2
@@ -24,6 +24,11 @@ row per planner:
 * step-total: mean/max of the replicas' total non-replay work;
 * slots, windows, planning seconds (L1/FFD partition, L2 placement, layouts,
   rounds, replay and lowering; not reading, not the trie).
+
+`--system-prompt-tokens N` regenerates the preset with an N-token scaffold
+prompt (the paper preset's is 6,000), scaled back to ~1,600 trajectories:
+the prefix every rollout shares, and so what L2 can still share across
+microbatches, grows with it.
 
 `--pairs-per-token` is hartsc's: L2's cost model (default the paper's
 models; 0 makes L2 balance tokens, the unit of the balance columns, and then
@@ -51,8 +56,13 @@ from harts.tools import gen
 TARGET_REDUCTION, TARGET_BALANCE, TARGET_P5, TARGET_SECONDS = 0.25, 0.97, 0.90, 1.5
 
 
-def build_batch(preset: str, kind: str) -> TrajectoryBatch:
-    records = list(gen.generate(gen.preset(preset, kind)))
+def build_batch(preset: str, kind: str, system_prompt_tokens: int | None = None) -> TrajectoryBatch:
+    config = gen.preset(preset, kind)
+    if system_prompt_tokens is not None:
+        target = gen.summarize(config).trajectories
+        config = gen.scale_to(dataclasses.replace(config, system_prompt_tokens=system_prompt_tokens),
+                              trajectories=target)
+    records = list(gen.generate(config))
     return TrajectoryBatch.from_token_lists([r["tokens"] for r in records], ids=[r["id"] for r in records])
 
 
@@ -99,16 +109,19 @@ def main() -> None:
     parser.add_argument("--no-ffd", action="store_true", help="skip the FFD comparison planner")
     parser.add_argument("--pairs-per-token", type=int, default=DEFAULT_PAIRS_PER_TOKEN,
                         help=f"L2's cost model, as hartsc's flag (default {DEFAULT_PAIRS_PER_TOKEN}; 0: tokens only)")
+    parser.add_argument("--system-prompt-tokens", type=int, default=None,
+                        help="regenerate the workload with this scaffold-prompt length (default: the preset's)")
     args = parser.parse_args()
 
     header = (f"{'workload':<9} {'D':>2} {'planner':<7} {'compr':>7} {'decoder':>10} {'vs L1':>7} {'balance':>8} "
               f"{'cost bal':>8} {'P5':>7} {'step-tot':>8} {'slots':>5} {'win':>4} {'plan s':>7}")
-    print(f"L2 cost model: --pairs-per-token {args.pairs_per_token}")
+    prompt = args.system_prompt_tokens if args.system_prompt_tokens is not None else "the preset's"
+    print(f"L2 cost model: --pairs-per-token {args.pairs_per_token}; scaffold prompt: {prompt} tokens")
     print(header)
     print("-" * len(header))
     verdicts = []
     for kind in args.kinds.split(","):
-        batch = build_batch(args.preset, kind)
+        batch = build_batch(args.preset, kind, args.system_prompt_tokens)
         for dp in (int(d) for d in args.dp.split(",")):
             base = CompileOptions(dp=dp, capacity=args.capacity, chunk_size=args.chunk_size, levels="l1",
                                   pairs_per_token=args.pairs_per_token)

@@ -1094,11 +1094,10 @@ def _pull_moves(model, layout: _Layout, ev: _Eval, b: int, dp: int, capacity: in
     donors = same_cell.tolist() + other_cells[np.argsort(-cost[other_cells], kind="stable")][:2].tolist()
     per_row = max(1.0, cost[b] / max(1, ev.res_n[b]))
     wanted = max(1.0, (slot_max[layout.slot[b]] - cost[b]) / per_row / 2)
-    receiver = np.flatnonzero(layout.consumer_of == b)
     ranked = []
     for a in donors:
         for run in _member_runs(np.flatnonzero(layout.consumer_of == a), lengths, ev.lcp_consumer):
-            if ev.full[b] + _growth(model, receiver, int(run[-1])) > capacity:
+            if ev.full[b] + _growth(model, layout.consumer_of, int(run[-1]), np.array([b]))[0] > capacity:
                 continue
             below = np.concatenate([[ev.lcp_consumer[run[0]]], lengths[run[:-1]]])
             moved = lengths[run[-1]] - below          # rows a no longer holds once run[i:] leaves
@@ -1108,22 +1107,27 @@ def _pull_moves(model, layout: _Layout, ev: _Eval, b: int, dp: int, capacity: in
     return [(run[i:], a, b) for _, a, i, run in ranked[:12]]
 
 
-def _growth(model: PrefixCostModel, members: np.ndarray, x: int) -> int:
-    """Rows a consumer with these (sorted) members adds to its complete layout to hold trajectory x."""
-    at = int(np.searchsorted(members, x))
-    below = members[at - 1] if at > 0 else -1
-    above = members[at] if at < len(members) else model.num_trajectories
-    return int(model.lengths[x]) - max(int(model.neighbour_lcp(below, x)), int(model.neighbour_lcp(x, above)))
+def _growth(model: PrefixCostModel, consumer_of: np.ndarray, x: int, pool: np.ndarray) -> np.ndarray:
+    """Rows each consumer of `pool` would add to its complete layout to hold trajectory x.
+
+    x shares with a consumer exactly its longest common prefix with any member.
+    """
+    shared = np.zeros(int(consumer_of.max()) + 1, dtype=np.int64)
+    np.maximum.at(shared, consumer_of, model.lcp_to_all(x))
+    return model.lengths[x] - shared[pool]
 
 
 def _best_receiver(model: PrefixCostModel, layout: _Layout, ev: _Eval, x: int, pool: np.ndarray, capacity: int) -> int:
     """The consumer of `pool` that takes trajectory x with the least growth of its complete layout (-1: none fits)."""
-    best, best_growth = -1, None
-    for b in pool.tolist():
-        growth = _growth(model, np.flatnonzero(layout.consumer_of == b), x)
-        if ev.full[b] + growth <= capacity and (best_growth is None or growth < best_growth):
-            best, best_growth = b, growth
-    return best
+    if not len(pool):
+        return -1
+    growth = _growth(model, layout.consumer_of, x, pool)
+    fits = ev.full[pool] + growth <= capacity
+    if not fits.any():
+        return -1
+    return int(pool[fits][np.argmin(growth[fits])])
+
+
 def _apply_move(layout: _Layout, positions: np.ndarray, a: int, b: int) -> _Layout | None:
     """Move positions >= 0 from a to b, and positions encoded as -1 - p from b to a; None if a consumer empties."""
     consumer_of = layout.consumer_of.copy()
