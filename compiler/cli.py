@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="L2 cost model: a computed token's linear-layer work in full-attention query-key pairs, "
                         "about 2 x active parameters / (4 x heads x head width x full-attention layers); "
                         f"0 balances tokens only (default {DEFAULT_PAIRS_PER_TOKEN}, the paper's models)")
+    p.add_argument("--max-window-slots", type=int, default=0, metavar="N",
+                   help="L2: no sharing window spans more than N slots, which bounds how long a producer's "
+                        "activations stay in memory (default 0: no limit)")
     p.add_argument("--seed", type=int, default=0, help="seed for randomised search and the ffd planner's CP-SAT (default 0)")
     p.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= this (default: no check)")
     p.add_argument("--debug", action="store_true", help="verify the IR after every pass (slow at paper scale)")
@@ -62,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     options = CompileOptions(dp=args.dp, capacity=args.capacity, chunk_size=args.chunk_size, planner=args.planner,
                              levels=args.levels, seed=args.seed, vocab_size=args.vocab_size, verify=args.debug,
                              ffd_time_budget=args.ffd_time_budget, ffd_first_feasible=args.ffd_first_feasible,
-                             ffd_shard=args.ffd_shard, pairs_per_token=args.pairs_per_token)
+                             ffd_shard=args.ffd_shard, pairs_per_token=args.pairs_per_token,
+                             max_window_slots=args.max_window_slots)
     try:
         from harts.compiler.read_trees import read_trees
         t0 = time.perf_counter()

@@ -59,6 +59,10 @@ class CompileOptions:
     # query-key pairs (2 x active parameters / per-pair attention FLOPs of all
     # full-attention layers); 0 counts rows only. The default fits the paper's models.
     pairs_per_token: int = DEFAULT_PAIRS_PER_TOKEN
+    # L2: longest sharing window in slots (0: no limit). A producer's graph and
+    # cached interfaces stay alive until its window's last consumer, so this
+    # bounds that memory at the price of sharing less.
+    max_window_slots: int = 0
 
     @property
     def effective_levels(self) -> str:
@@ -73,7 +77,7 @@ class CompileOptions:
                 "planner": self.planner, "levels": self.effective_levels, "seed": self.seed,
                 "vocab_size": self.vocab_size, "ffd_time_budget": self.ffd_time_budget,
                 "ffd_first_feasible": self.ffd_first_feasible, "ffd_shard": self.ffd_shard,
-                "pairs_per_token": self.pairs_per_token}
+                "pairs_per_token": self.pairs_per_token, "max_window_slots": self.max_window_slots}
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +167,9 @@ def check_options(options: CompileOptions) -> None:
     if options.pairs_per_token < 0:
         raise PassFailedError("options", f"--pairs-per-token must be >= 0, got {options.pairs_per_token}",
                               f"pass 0 to balance rows only, or the model's ratio (default {DEFAULT_PAIRS_PER_TOKEN})")
+    if options.max_window_slots < 0:
+        raise PassFailedError("options", f"--max-window-slots must be >= 0, got {options.max_window_slots}",
+                              "pass 0 for no limit, or the most slots one producer may serve")
     for name in ("dp", "capacity", "chunk_size"):
         if getattr(options, name) < 1:
             raise PassFailedError("options", f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}",
@@ -197,7 +204,8 @@ def compile_batch(batch: TrajectoryBatch, options: CompileOptions, progress=None
     if options.effective_levels == "l1+l2":
         placement = timed("place-windows", place_windows, trie, partition, capacity=options.capacity,
                           dp=options.dp,
-                          options=L2Options.for_pairs_per_token(options.pairs_per_token, seed=options.seed))
+                          options=L2Options.for_pairs_per_token(options.pairs_per_token, seed=options.seed,
+                                                               max_window_slots=options.max_window_slots))
         if options.verify:
             verify_placement(trie.lengths, trie.lcp, placement, options.capacity, options.dp)
     members_of = placement.members if placement is not None else partition.members

@@ -69,11 +69,12 @@ def test_bad_input_prints_one_line_and_writes_nothing(tmp_path, capsys, record, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
 
 
-def test_bad_flag_prints_one_line_and_writes_nothing(tmp_path, trees, capsys):
+@pytest.mark.parametrize("flag", ["--pairs-per-token", "--max-window-slots"])
+def test_bad_flag_prints_one_line_and_writes_nothing(tmp_path, trees, capsys, flag):
     plan = tmp_path / "step.plan"
-    assert hartsc_main([str(trees), "-o", str(plan), "--pairs-per-token", "-1"]) != 0
+    assert hartsc_main([str(trees), "-o", str(plan), flag, "-1"]) != 0
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "--pairs-per-token must be >= 0" in err and "fix" in err
+    assert "\n" not in err and f"{flag} must be >= 0" in err and "fix" in err
     assert not plan.exists()
 
 

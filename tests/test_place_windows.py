@@ -188,6 +188,22 @@ def test_zero_pairs_per_token_balances_the_rows_harts_stats_reports(lists, dp):
     assert plan_statistics(result.plan)["balance"] == pytest.approx(1.0 - result.placement.key[2], abs=1e-12)
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(forests(), st.integers(1, 3), st.integers(1, 3))
+def test_max_window_slots_bounds_every_window(lists, dp, limit):
+    dp = min(dp, len(lists))
+    try:
+        batch, result = compile_l2(lists, dp=dp, capacity=max(len(t) for t in lists), chunk_size=2,
+                                   max_window_slots=limit)
+    except PassFailedError as err:
+        assert f"into a multiple of {dp} non-empty microbatches" in str(err)
+        return
+    check_plan(result.plan, batch.tokens, batch.token_offsets)
+    starts = result.placement.window_start
+    assert np.all(np.diff(starts) <= limit) and np.all(np.diff(starts) >= 1)
+    assert result.plan.flags["max_window_slots"] == limit
+
+
 def test_producers_never_exceed_the_capacity():
     """Three groups each share a 30-token stem; one window's producer would need 90 rows > T = 40."""
     lists = []

@@ -33,10 +33,10 @@ def two_trees() -> list[list[int]]:
     return boundary_tree(np.random.default_rng(0)) + boundary_tree(np.random.default_rng(5))
 
 
-def compile_windows(lists, *, capacity=250, chunk_size=64, dp=1, advantages=None):
+def compile_windows(lists, *, capacity=250, chunk_size=64, dp=1, advantages=None, max_window_slots=0):
     batch = TrajectoryBatch.from_token_lists(lists, advantages=advantages)
     plan = compile_batch(batch, CompileOptions(levels="l1+l2", capacity=capacity, chunk_size=chunk_size, dp=dp,
-                                               verify=True)).plan
+                                               max_window_slots=max_window_slots, verify=True)).plan
     check_plan(plan, batch.tokens, batch.token_offsets)
     return plan
 
@@ -82,6 +82,17 @@ def test_windows_give_the_gradients_of_running_every_consumer_without_reuse(kimi
         decoder = sum(len(p["row_token"]) for p in plan.producers) + sum(
             int(np.count_nonzero(np.asarray(mb["row_cached_by"]) < 0)) for mb in plan.microbatches)
         assert reuse.rows == decoder < alone.rows
+
+
+def test_short_windows_release_each_producer_before_the_next(kimi):
+    """--max-window-slots 2 splits the step into two windows, each with its own producer, run one at a time."""
+    plan = compile_windows(two_trees(), chunk_size=16, max_window_slots=2)
+    windows = {int(mb["window"]) for mb in plan.microbatches}
+    assert windows == {0, 1} and sorted(int(p["window"]) for p in plan.producers) == [0, 1]
+    reuse = run_step(plan, kimi)
+    assert reuse.producers_run == reuse.producer_backward_passes == 2
+    assert reuse.most_live_producers == 1
+    assert_same_step(reuse, run_step(plan, kimi, windows=False), "two windows")
 
 
 def test_windows_match_the_hugging_face_model_run_per_trajectory(kimi):
