@@ -167,6 +167,8 @@ def test_exchanges_lower_phi_and_keep_the_placement_valid():
     verify_placement(lengths, lcp, placement, capacity, 3)
     assert placement.key[0] < without.key[0]
     assert placement.decoder_tokens <= int(partition.work.sum())
+    total = int(placement.residual_cost.sum() + placement.producer_cost.sum())
+    assert total == pytest.approx((1.0 - placement.key[2]) * 3 * placement.key[0], rel=1e-9), "costs behind the key"
     def replica_of_members(p):
         return {tuple(m.tolist()): int(r) for m, r in zip(p.members, p.replica)}
     before, after = replica_of_members(without), replica_of_members(placement)

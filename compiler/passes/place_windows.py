@@ -183,6 +183,8 @@ class L2Placement:
     work: np.ndarray                       # int64[K]: complete compact layout C(M) of each consumer
     residual_tokens: np.ndarray            # int64[K]: rows the consumer runs through the decoder
     producer_tokens: np.ndarray            # int64[W * D]: rows each producer computes
+    residual_cost: np.ndarray              # int64[K]: forward + backward cost of each consumer's rows (L2's units)
+    producer_cost: np.ndarray              # int64[W * D]: forward + backward cost of each producer
     key: tuple                             # (Phi, tokens, imbalance, max replica total) of the final plan
     candidate: str                         # which candidate won, e.g. "ranked W=1 units<=1.0T"
     decisions: tuple[str, ...] = field(default=())
@@ -1219,12 +1221,14 @@ def _placement(model: PrefixCostModel, layout: _Layout, dp: int, decisions: list
     lengths_of = [np.zeros(0, dtype=np.int64)] * (W * dp)
     caps = np.full(W * dp, -1, dtype=np.int64)
     producer_tokens = np.zeros(W * dp, dtype=np.int64)
+    producer_cost = np.zeros(W * dp, dtype=np.int64)
     for g in range(W * dp):
         index = (g // dp) * dp + int(layout.replica_of_cell[g])
         entries = np.flatnonzero((cell == g) & creates)
         positions_of[index] = entries.astype(np.int64)
         lengths_of[index] = ev.cached[entries].astype(np.int64)
         producer_tokens[index] = ev.pro_n[g]
+        producer_cost[index] = ev.pro_f[g] + ev.pro_b[g]
         if layout.cap_of_cell[g] < NO_CAP:
             caps[index] = layout.cap_of_cell[g]
     del lengths
@@ -1234,7 +1238,8 @@ def _placement(model: PrefixCostModel, layout: _Layout, dp: int, decisions: list
         window_start=layout.window_start.astype(np.int64),
         producer_positions=tuple(positions_of), producer_lengths=tuple(lengths_of), depth_cap=caps,
         work=ev.full[grid_order].astype(np.int64), residual_tokens=ev.res_n[grid_order].astype(np.int64),
-        producer_tokens=producer_tokens, key=layout.key, candidate=layout.name, decisions=tuple(decisions))
+        producer_tokens=producer_tokens, residual_cost=(ev.res_f + ev.res_b)[grid_order].astype(np.int64),
+        producer_cost=producer_cost, key=layout.key, candidate=layout.name, decisions=tuple(decisions))
 
 
 # --------------------------------------------------------------------------- verification
