@@ -122,6 +122,9 @@ class CompileResult:
             f"place-windows: {self.placement.candidate}; {self.placement.num_windows} windows, "
             f"{self.placement.decoder_tokens} decoder tokens ({int(self.placement.producer_tokens.sum())} in "
             f"{len(self.producers)} producers), key={self.placement.key} ({secs.get('place-windows', 0):.3f}s)",
+            # The search after choosing a candidate: depth adjustments, refinement, exchanges.
+            *(f"place-windows:   {line}" for line in self.placement.decisions
+              if not line.startswith(("K=", "candidate "))),
             self._residual_line()])
 
     def _residual_line(self) -> str:
