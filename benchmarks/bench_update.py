@@ -20,7 +20,9 @@ forward + backward of the `nll` loss over the whole step in its own process
 * `windows`: a `--levels l1+l2` plan run with sharing windows (each window's
   producer once, consumers on their uncached rows, one producer backward);
   compare it with `compact` (L1 alone) at a capacity that gives several
-  microbatches, e.g. `--capacity 4096 --configs compact,windows`.
+  microbatches, e.g. `--capacity 4096 --configs compact,windows`;
+  `--max-window-slots N` caps window length (hartsc's flag), trading shared
+  rows for the memory a producer holds until its window ends.
 
 Throughput is original tokens / wall seconds (compile + forward + backward),
 the median of `--repeat` runs in the configuration's process (the first run
@@ -59,7 +61,8 @@ def generate(workload: str, vocab: int, out: Path) -> None:
     gen.write_jsonl(gen.generate(gen.GenConfig(kind=kind, vocab_size=vocab, seed=0, **overrides)), out)
 
 
-def child(config: str, trees: str, model_dir: str, chunk_size: int, capacity: int, repeat: int) -> None:
+def child(config: str, trees: str, model_dir: str, chunk_size: int, capacity: int, repeat: int,
+          max_window_slots: int) -> None:
     """Run one configuration `repeat` times and print a JSON line (median seconds, rows, peak RSS)."""
     import numpy as np
     import torch
@@ -73,14 +76,15 @@ def child(config: str, trees: str, model_dir: str, chunk_size: int, capacity: in
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
-        rows, compression = one_update(config, batch, model, chunk_size, capacity)
+        rows, compression = one_update(config, batch, model, chunk_size, capacity, max_window_slots)
         times.append(time.perf_counter() - started)
     print(json.dumps({"seconds": float(np.median(times)), "rows": rows, "compression": compression,
                       "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                       "tokens": int(batch.num_tokens)}))
 
 
-def one_update(config: str, batch, model, chunk_size: int, capacity: int) -> tuple[int, float]:
+def one_update(config: str, batch, model, chunk_size: int, capacity: int,
+               max_window_slots: int = 0) -> tuple[int, float]:
     """Forward + backward of the whole step (planning included); returns (decoder rows, compression)."""
     from harts.compiler.pipeline import CompileOptions, compile_batch
     from harts.executor.models.hf_reference import our_kda_core, trajectory_logprobs
@@ -99,7 +103,8 @@ def one_update(config: str, batch, model, chunk_size: int, capacity: int) -> tup
         compression = 1.0
     else:
         levels = "l1+l2" if config == "windows" else "l1"
-        result = compile_batch(batch, CompileOptions(chunk_size=chunk_size, capacity=capacity, levels=levels))
+        result = compile_batch(batch, CompileOptions(chunk_size=chunk_size, capacity=capacity, levels=levels,
+                                                     max_window_slots=max_window_slots))
         mode = "compact" if config == "windows" else config
         step = run_step(result.plan, model, mode=mode)
         rows = step.rows
@@ -122,10 +127,13 @@ def main() -> None:
                              "expanded group (default 16384, sized for a CPU)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs per configuration, in one process; the table shows the median (default 3)")
-    parser.add_argument("--child", nargs=6, metavar=("CONFIG", "TREES", "MODEL", "B", "T", "R"), help=argparse.SUPPRESS)
+    parser.add_argument("--max-window-slots", type=int, default=0,
+                        help="windows: no window spans more slots than this (default 0: no limit)")
+    parser.add_argument("--child", nargs=7, metavar=("CONFIG", "TREES", "MODEL", "B", "T", "R", "W"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child[0], args.child[1], args.child[2], int(args.child[3]), int(args.child[4]), int(args.child[5]))
+        child(args.child[0], args.child[1], args.child[2], *(int(v) for v in args.child[3:]))
         return
 
     from harts.executor.models.init_model import init_model
@@ -142,7 +150,8 @@ def main() -> None:
         results = {}
         for config in args.configs.split(","):
             out = subprocess.run([sys.executable, __file__, "--child", config, str(trees), str(model_dir),
-                                  str(args.chunk_size), str(args.capacity), str(args.repeat)],
+                                  str(args.chunk_size), str(args.capacity), str(args.repeat),
+                                  str(args.max_window_slots)],
                                  capture_output=True, text=True)
             if out.returncode != 0:
                 raise SystemExit(f"{config} on {kind} failed:\n{out.stderr[-3000:]}")

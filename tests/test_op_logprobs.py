@@ -34,6 +34,24 @@ def test_matches_naive_values_and_gradients_float64(block_rows):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("block_rows", [1, 3, 100], ids=lambda b: f"block{b}")
+def test_positions_without_gradient_are_skipped_exactly(block_rows):
+    """Masked positions (zero upstream gradient, as loss_mask 0 gives) leave gradients equal to the naive ones."""
+    hidden, weight, rows, labels = case(3, C=17, P=50)
+    upstream = torch.randn(len(rows), dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    upstream[torch.arange(len(rows)) % 3 != 0] = 0.0          # two thirds of the positions carry no loss
+    upstream[rows == 2] = 0.0                                  # and every position of row 2
+    got = position_logprobs(hidden, weight, rows, labels, block_rows=block_rows)
+    want = naive_position_logprobs(hidden, weight, rows, labels)
+    g_got = torch.autograd.grad((got * upstream).sum(), (hidden, weight), retain_graph=True)
+    g_want = torch.autograd.grad((want * upstream).sum(), (hidden, weight))
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert torch.all(g_got[0][2] == 0), "a row read by no loss position gets an exact zero gradient"
+    no_loss = torch.autograd.grad((got * torch.zeros_like(upstream)).sum(), (hidden, weight))
+    assert all(torch.all(g == 0) for g in no_loss)
+
+
 def test_gradcheck():
     hidden, weight, rows, labels = case(2, C=5, D=3, V=7, P=9)
     assert torch.autograd.gradcheck(lambda h, w: position_logprobs(h, w, rows, labels, block_rows=2), (hidden, weight))

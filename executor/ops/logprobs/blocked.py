@@ -17,7 +17,10 @@ hidden rows and log-sum-exps,
 
     dL/dz[r] = sum_{p: row_p = r} g_p * (onehot(label_p) - softmax(z[r])),
 
-so no [C, V] or [P, V] tensor is ever saved.
+so no [C, V] or [P, V] tensor is ever saved. A row none of whose positions
+receives a gradient (in RL: every position with loss_mask 0, e.g. prompts and
+tool outputs) has dL/dz[r] = 0 exactly, so backward recomputes logits only
+for the rows that do: its cost follows the loss-weighted positions, not C.
 """
 from __future__ import annotations
 
@@ -47,34 +50,45 @@ class _CompactLogprobs(torch.autograd.Function):
             lo, hi = int(bounds[b]), int(bounds[b + 1])
             picked = order_P[lo:hi]
             target_P[picked] = logits_RV[position_row_P[picked] - start, position_label_P[picked]]
-        ctx.save_for_backward(hidden_CD, weight_VD, position_row_P, position_label_P, lse_C, order_P, bounds)
+        ctx.save_for_backward(hidden_CD, weight_VD, position_row_P, position_label_P, lse_C)
         ctx.block_rows = block_rows
         return target_P - lse_C[position_row_P]
 
     @staticmethod
     def backward(ctx, grad_P):
-        hidden_CD, weight_VD, position_row_P, position_label_P, lse_C, order_P, bounds = ctx.saved_tensors
+        hidden_CD, weight_VD, position_row_P, position_label_P, lse_C = ctx.saved_tensors
         block_rows = ctx.block_rows
         compute = lse_C.dtype
+        device = hidden_CD.device
         weight_c = weight_VD.to(compute)
         grad_P = grad_P.to(compute)
         C = hidden_CD.shape[0]
-        # Sum of incoming gradients per row: the weight of that row's softmax term.
-        row_grad_C = torch.zeros(C, dtype=compute, device=hidden_CD.device).index_add_(0, position_row_P, grad_P)
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden_CD, dtype=compute) if need_hidden else None
+        grad_hidden = torch.zeros_like(hidden_CD, dtype=compute) if need_hidden else None
         grad_weight = torch.zeros_like(weight_c) if need_weight else None
-        for b, start in enumerate(_block_starts(C, block_rows)):
-            stop = min(start + block_rows, C)
-            hidden_RD = hidden_CD[start:stop].to(compute)
+        # Only positions with a gradient contribute; only their rows need logits again.
+        live_L = torch.nonzero(grad_P).squeeze(1)
+        active_A = torch.unique(position_row_P[live_L])                  # sorted rows
+        # Sum of incoming gradients per row: the weight of that row's softmax term.
+        row_grad_C = torch.zeros(C, dtype=compute, device=device).index_add_(0, position_row_P, grad_P)
+        slot_of_row_C = torch.full((C,), -1, dtype=torch.long, device=device)
+        slot_of_row_C[active_A] = torch.arange(active_A.shape[0], device=device)
+        slot_L = slot_of_row_C[position_row_P[live_L]]
+        order_L = torch.argsort(slot_L, stable=True)
+        live_L, slot_L = live_L[order_L], slot_L[order_L]
+        A = active_A.shape[0]
+        bounds = torch.searchsorted(slot_L, torch.arange(0, A + block_rows, block_rows, device=device))
+        for b, start in enumerate(_block_starts(A, block_rows)):
+            rows_R = active_A[start:start + block_rows]
+            hidden_RD = hidden_CD[rows_R].to(compute)
             logits_RV = hidden_RD @ weight_c.T
-            grad_logits_RV = -torch.exp(logits_RV - lse_C[start:stop, None]) * row_grad_C[start:stop, None]
+            grad_logits_RV = -torch.exp(logits_RV - lse_C[rows_R, None]) * row_grad_C[rows_R, None]
             lo, hi = int(bounds[b]), int(bounds[b + 1])
-            picked = order_P[lo:hi]
-            grad_logits_RV.index_put_((position_row_P[picked] - start, position_label_P[picked]), grad_P[picked],
+            picked = live_L[lo:hi]
+            grad_logits_RV.index_put_((slot_L[lo:hi] - start, position_label_P[picked]), grad_P[picked],
                                       accumulate=True)
             if need_hidden:
-                grad_hidden[start:stop] = grad_logits_RV @ weight_c
+                grad_hidden[rows_R] = grad_logits_RV @ weight_c
             if need_weight:
                 grad_weight += grad_logits_RV.T @ hidden_RD
         return (grad_hidden.to(hidden_CD.dtype) if need_hidden else None,
