@@ -12,7 +12,8 @@ forward + backward of the `nll` loss over the whole step in its own process
 * `hf-per-trajectory`: the Hugging Face model's own forward/backward on one
   trajectory at a time, with transformers' KDA chunk fallback replaced by our
   chunk op (same math; the fallback's 64-step Python loop and [.., 64, 64, K]
-  mask made the baseline ~5x slower, which would flatter HARTS);
+  mask made the baseline ~5x slower, which would flatter HARTS), with the
+  same objective (token mean over loss_mask = 1 positions);
 * `expanded`: our executor with sharing disabled (every trajectory alone);
 * `compact`: the plan's compact rows, minimum-call rounds and replay;
 * `nodewise`: compact rows with one linear-attention call per tree segment
@@ -86,6 +87,8 @@ def child(config: str, trees: str, model_dir: str, chunk_size: int, capacity: in
 def one_update(config: str, batch, model, chunk_size: int, capacity: int,
                max_window_slots: int = 0) -> tuple[int, float]:
     """Forward + backward of the whole step (planning included); returns (decoder rows, compression)."""
+    import torch
+
     from harts.compiler.pipeline import CompileOptions, compile_batch
     from harts.executor.models.hf_reference import our_kda_core, trajectory_logprobs
     from harts.executor.runtime import run_step
@@ -93,12 +96,16 @@ def one_update(config: str, batch, model, chunk_size: int, capacity: int,
     if config == "hf-per-trajectory":
         with our_kda_core():
             model.zero_grad(set_to_none=True)
-            count = int(batch.lengths.sum() - len(batch.lengths))
+            # The same objective as the executor's `nll`: the token mean over loss_mask = 1 positions.
+            offsets = batch.token_offsets
+            masks = [torch.as_tensor(batch.loss_mask[offsets[t] + 1:offsets[t + 1]], dtype=torch.float32)
+                     for t in range(batch.num_trajectories)]
+            count = max(1, int(sum(int(m.sum()) for m in masks)))
             rows = 0
             for t in range(batch.num_trajectories):
                 tokens = batch.tokens_of(t)
                 lp = trajectory_logprobs(model, tokens)
-                (-lp.sum() / count).backward()
+                (-(lp * masks[t]).sum() / count).backward()
                 rows += len(tokens)
         compression = 1.0
     else:

@@ -64,7 +64,6 @@ class _CompactLogprobs(torch.autograd.Function):
         grad_P = grad_P.to(compute)
         C = hidden_CD.shape[0]
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.zeros_like(hidden_CD, dtype=compute) if need_hidden else None
         grad_weight = torch.zeros_like(weight_c) if need_weight else None
         # Only positions with a gradient contribute; only their rows need logits again.
         live_L = torch.nonzero(grad_P).squeeze(1)
@@ -77,6 +76,7 @@ class _CompactLogprobs(torch.autograd.Function):
         order_L = torch.argsort(slot_L, stable=True)
         live_L, slot_L = live_L[order_L], slot_L[order_L]
         A = active_A.shape[0]
+        grad_hidden = torch.zeros_like(hidden_CD, dtype=compute) if need_hidden else None
         bounds = torch.searchsorted(slot_L, torch.arange(0, A + block_rows, block_rows, device=device))
         for b, start in enumerate(_block_starts(A, block_rows)):
             rows_R = active_A[start:start + block_rows]
