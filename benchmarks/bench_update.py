@@ -25,6 +25,10 @@ forward + backward of the `nll` loss over the whole step in its own process
   `--max-window-slots N` caps window length (hartsc's flag), trading shared
   rows for the memory a producer holds until its window ends.
 
+`--logprobs loss` runs our configurations with `harts run --logprobs loss`
+(only the positions the loss weighs are recovered, so the LM head skips
+prompt and tool-output rows); the per-trajectory baseline is unchanged.
+
 Throughput is original tokens / wall seconds (compile + forward + backward),
 the median of `--repeat` runs in the configuration's process (the first run
 of a process pays one-time allocator and thread-pool warm-up).
@@ -63,7 +67,7 @@ def generate(workload: str, vocab: int, out: Path) -> None:
 
 
 def child(config: str, trees: str, model_dir: str, chunk_size: int, capacity: int, repeat: int,
-          max_window_slots: int) -> None:
+          max_window_slots: int, logprobs: str) -> None:
     """Run one configuration `repeat` times and print a JSON line (median seconds, rows, peak RSS)."""
     import numpy as np
     import torch
@@ -77,7 +81,7 @@ def child(config: str, trees: str, model_dir: str, chunk_size: int, capacity: in
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
-        rows, compression = one_update(config, batch, model, chunk_size, capacity, max_window_slots)
+        rows, compression = one_update(config, batch, model, chunk_size, capacity, max_window_slots, logprobs)
         times.append(time.perf_counter() - started)
     print(json.dumps({"seconds": float(np.median(times)), "rows": rows, "compression": compression,
                       "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -85,7 +89,7 @@ def child(config: str, trees: str, model_dir: str, chunk_size: int, capacity: in
 
 
 def one_update(config: str, batch, model, chunk_size: int, capacity: int,
-               max_window_slots: int = 0) -> tuple[int, float]:
+               max_window_slots: int = 0, logprobs: str = "all") -> tuple[int, float]:
     """Forward + backward of the whole step (planning included); returns (decoder rows, compression)."""
     import torch
 
@@ -113,7 +117,7 @@ def one_update(config: str, batch, model, chunk_size: int, capacity: int,
         result = compile_batch(batch, CompileOptions(chunk_size=chunk_size, capacity=capacity, levels=levels,
                                                      max_window_slots=max_window_slots))
         mode = "compact" if config == "windows" else config
-        step = run_step(result.plan, model, mode=mode)
+        step = run_step(result.plan, model, mode=mode, logprobs=logprobs)
         rows = step.rows
         # Decoder work: compact rows, or producer plus residual rows with windows.
         decoder_rows = rows if config == "windows" else sum(len(mb["row_token"]) for mb in result.plan.microbatches)
@@ -136,11 +140,13 @@ def main() -> None:
                         help="runs per configuration, in one process; the table shows the median (default 3)")
     parser.add_argument("--max-window-slots", type=int, default=0,
                         help="windows: no window spans more slots than this (default 0: no limit)")
-    parser.add_argument("--child", nargs=7, metavar=("CONFIG", "TREES", "MODEL", "B", "T", "R", "W"),
+    parser.add_argument("--logprobs", choices=("all", "loss"), default="all",
+                        help="positions our configurations recover (harts run --logprobs; default all)")
+    parser.add_argument("--child", nargs=8, metavar=("CONFIG", "TREES", "MODEL", "B", "T", "R", "W", "LP"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child[0], args.child[1], args.child[2], *(int(v) for v in args.child[3:]))
+        child(args.child[0], args.child[1], args.child[2], *(int(v) for v in args.child[3:7]), args.child[7])
         return
 
     from harts.executor.models.init_model import init_model
@@ -158,7 +164,7 @@ def main() -> None:
         for config in args.configs.split(","):
             out = subprocess.run([sys.executable, __file__, "--child", config, str(trees), str(model_dir),
                                   str(args.chunk_size), str(args.capacity), str(args.repeat),
-                                  str(args.max_window_slots)],
+                                  str(args.max_window_slots), args.logprobs],
                                  capture_output=True, text=True)
             if out.returncode != 0:
                 raise SystemExit(f"{config} on {kind} failed:\n{out.stderr[-3000:]}")

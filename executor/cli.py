@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from harts.executor.layout import MODES
-from harts.executor.losses import LOSSES, REDUCTIONS, LossConfig
+from harts.executor.losses import LOGPROB_POSITIONS, LOSSES, REDUCTIONS, LossConfig
 from harts.progress import quiet_library_progress, terminal_progress
 from harts.schema.errors import HartsError
 from harts.schema.atomic import atomic_write_bytes
@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the model runs (default auto: cuda when available, one GPU per torchrun rank; "
                         "linear attention then uses fla's kernels when the plan's chunk size is 64)")
+    p.add_argument("--logprobs", choices=LOGPROB_POSITIONS, default="all",
+                   help="which positions' log-probabilities to recover: all (default) or loss (only those the "
+                        "objective weighs: the LM head skips prompt and tool-output rows; others are NaN)")
     p.add_argument("--logprobs-out", help="write per-trajectory log-probabilities (.npz keyed by str(id))")
     p.add_argument("--grads-out", help="write parameter gradients (.safetensors keyed by parameter name)")
     p.add_argument("--recompute", action="store_true",
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         model = model.to(model_device(args.device))
         result = run_step(plan, model, mode=mode, loss=loss, backward=not args.forward_only,
                           recompute=args.recompute, microbatches=selected, windows=not args.no_windows,
-                          progress=terminal_progress if primary else None)
+                          progress=terminal_progress if primary else None, logprobs=args.logprobs)
         if selected is not None:
             distributed.all_reduce_result(result, model)
         if primary and args.logprobs_out:

@@ -46,6 +46,10 @@ class LossConfig:
     reduction: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
 
 
+# Which positions' log-probabilities a step recovers: every one, or only those the objective weighs.
+LOGPROB_POSITIONS = ("all", "loss")
+
+
 def position_weights(loss_mask: np.ndarray, token_offsets: np.ndarray, reduction: str) -> np.ndarray:
     """Weight of every flat position of the step in the reduced loss (0 where not trained).
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from harts.executor.layout import MODES, build_layout, expanded_groups
-from harts.executor.losses import LossConfig, PositionMeta, policy_loss, position_weights
+from harts.executor.losses import LOGPROB_POSITIONS, LossConfig, PositionMeta, policy_loss, position_weights
 from harts.executor.models.moe import MoEStatistics
 from harts.executor.models.registry import runner_for
 from harts.executor.ops.logprobs import position_logprobs
@@ -71,7 +71,7 @@ def check_model_fits(plan: Plan, model) -> None:
 def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = LossConfig(),
              backward: bool = True, microbatches: list[int] | None = None,
              pack_expanded: bool = True, recompute: bool = False, progress=None,
-             windows: bool = True) -> StepResult:
+             windows: bool = True, logprobs: str = "all") -> StepResult:
     """Forward (and backward) of the step's microbatches, in plan order (slot, replica; with
     windows, window by window and replica by replica).
 
@@ -88,9 +88,16 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     compact execution of the same microbatch. `recompute` turns on full-layer
     activation recomputation (same gradients, lower peak memory). `progress`,
     if given, wraps the microbatch loop (e.g. a tqdm bar).
+
+    `logprobs` "all" recovers every position's log-probability; "loss" only
+    those the objective weighs (loss_mask 1, position >= 1; the rest stay NaN
+    in `StepResult.logprobs`), so the LM head skips the rows of prompts and
+    tool outputs. Loss, gradients and MoE statistics are the same either way.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if logprobs not in LOGPROB_POSITIONS:
+        raise ValueError(f"logprobs must be one of {LOGPROB_POSITIONS}, got {logprobs!r}")
     check_model_fits(plan, model)
     started = time.perf_counter()
     chunk_size = int(plan.flags["chunk_size"])
@@ -136,13 +143,19 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
         stats = MoEStatistics()
         with torch.set_grad_enabled(backward):
             hidden = runner.hidden_states(layout, stats, window)
-            lam = position_logprobs(hidden, model.lm_head.weight, layout.position_row, layout.position_label)
-            mb_loss = policy_loss(lam, _meta(plan, layout.position_flat, weights, device), loss)
+            flat = layout.position_flat
+            reads, labels = layout.position_row, layout.position_label
+            if logprobs == "loss":
+                kept = np.flatnonzero(weights[flat] > 0)
+                flat, index = flat[kept], torch.from_numpy(kept).to(device)
+                reads, labels = reads.index_select(0, index), labels.index_select(0, index)
+            lam = position_logprobs(hidden, model.lm_head.weight, reads, labels)
+            mb_loss = policy_loss(lam, _meta(plan, flat, weights, device), loss)
             aux, z = stats.aux_loss(top_k), stats.z_loss()
             objective = mb_loss + loss.moe_aux_coef * aux + loss.moe_z_coef * z
         if backward:
             objective.backward()
-        flat_logprobs[layout.position_flat] = lam.detach().float().cpu().numpy()
+        flat_logprobs[flat] = lam.detach().float().cpu().numpy()
         total_loss += float(mb_loss.detach())
         aux_total += float(aux.detach())
         z_total += float(z.detach())

@@ -121,10 +121,14 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
 
 
 def run(plan: Plan, model, *, loss: str | LossConfig = "nll", mode: str = "compact",
-        backward: bool = True, recompute: bool = False, windows: bool = True) -> StepResult:
+        backward: bool = True, recompute: bool = False, windows: bool = True,
+        logprobs: str = "all") -> StepResult:
     """Run the step on `model`. The parameters' `.grad` are zeroed first and then hold the
     gradient of the step's objective (as one backward over the whole step would leave them);
     to accumulate over several plans, copy or sum `result.grads` between calls. `windows`
-    False runs every consumer of a two-level plan without its producer's reuse."""
+    False runs every consumer of a two-level plan without its producer's reuse. `logprobs`
+    "loss" recovers only the positions the objective weighs (others NaN), so the LM head
+    skips prompt and tool-output rows; loss and gradients are unchanged."""
     config = LossConfig(kind=loss) if isinstance(loss, str) else loss
-    return run_step(plan, model, mode=mode, loss=config, backward=backward, recompute=recompute, windows=windows)
+    return run_step(plan, model, mode=mode, loss=config, backward=backward, recompute=recompute, windows=windows,
+                    logprobs=logprobs)

@@ -68,11 +68,11 @@ def boundary_tree(rng, vocab: int = VOCAB) -> list[list[int]]:
     ]
 
 
-def compile_lists(lists, chunk_size=64, dp=1, capacity=4096, advantages=None, old=None):
-    batch = TrajectoryBatch.from_token_lists(lists, advantages=advantages)
+def compile_lists(lists, chunk_size=64, dp=1, capacity=4096, advantages=None, old=None, loss_masks=None, levels=None):
+    batch = TrajectoryBatch.from_token_lists(lists, advantages=advantages, loss_masks=loss_masks)
     if old is not None:
         batch = replace(batch, old_logprobs=old.astype(np.float32), has_old_logprobs=np.ones(len(lists), bool))
-    return compile_batch(batch, CompileOptions(chunk_size=chunk_size, dp=dp, capacity=capacity)).plan
+    return compile_batch(batch, CompileOptions(chunk_size=chunk_size, dp=dp, capacity=capacity, levels=levels)).plan
 
 
 def hf_reference(model, lists):
@@ -156,6 +156,33 @@ def check_modes_agree(model, mode: str, seed: int = 1) -> None:
             assert relative_error(other.grads[name], grad, floor) <= 1e-4, (loss.kind, name)
         for key, lp in compact.logprobs.items():
             assert np.nanmax(np.abs(lp - other.logprobs[key])) <= 1e-5
+
+
+def check_loss_positions_only_keep_the_step(model, seed: int = 4) -> None:
+    """`logprobs="loss"` gives the loss, gradients and MoE statistics of "all"; log-probabilities
+    equal where the objective weighs a position and NaN elsewhere (compact with windows, expanded)."""
+    rng = np.random.default_rng(seed)
+    lists = boundary_tree(rng)
+    masks = [(rng.random(len(t)) < 0.3).astype(np.uint8) for t in lists]
+    masks[0][:] = 0                                   # a trajectory the loss never reads
+    old = rng.normal(-3.0, 0.5, sum(len(t) for t in lists))
+    plan = compile_lists(lists, advantages=rng.normal(size=len(lists)), old=old, loss_masks=masks,
+                         capacity=200, levels="l1+l2")
+    assert plan.producers, "the compact run should read a window producer"
+    for mode, loss in (("compact", LossConfig("grpo", moe_aux_coef=0.01)), ("expanded", LossConfig("nll"))):
+        every = run_step(plan, model, mode=mode, loss=loss)
+        only = run_step(plan, model, mode=mode, loss=loss, logprobs="loss")
+        assert abs(only.loss - every.loss) <= 1e-6 * max(1.0, abs(every.loss)), mode
+        assert abs(only.moe_aux_loss - every.moe_aux_loss) <= 1e-7
+        floor = gradient_floor(every.grads)
+        for name, grad in every.grads.items():
+            assert relative_error(only.grads[name], grad, floor) <= 1e-5, (mode, name)
+        for i, mask in enumerate(masks):
+            got, want = only.logprobs[str(i)], every.logprobs[str(i)]
+            weighed = mask.astype(bool)
+            weighed[0] = False
+            assert np.all(np.isnan(got[~weighed])), (mode, i)
+            assert np.max(np.abs(got[weighed] - want[weighed]), initial=0.0) <= 1e-6, (mode, i)
 
 
 def check_expert_loads_count_every_occurrence(model, seed: int = 2) -> None:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from harts.executor.losses import LossConfig
 from harts.executor.runtime import run_step
 
-from fidelity import (check_expert_loads_count_every_occurrence, check_matches_hugging_face, check_modes_agree,
+from fidelity import (check_expert_loads_count_every_occurrence, check_loss_positions_only_keep_the_step, check_matches_hugging_face, check_modes_agree,
                       check_random_forest_compact_equals_expanded, check_recomputation_keeps_gradients_and_statistics,
                       compile_lists, small_forests, tiny_kimi_linear)
 
@@ -40,6 +40,10 @@ def test_other_modes_agree_with_compact_on_every_objective(model, mode):
 
 def test_expert_loads_count_every_occurrence(model):
     check_expert_loads_count_every_occurrence(model)
+
+
+def test_recovering_only_loss_positions_keeps_the_step(model):
+    check_loss_positions_only_keep_the_step(model)
 
 
 def test_ppo_without_old_logprobs_is_a_clear_error(model):

@@ -65,6 +65,23 @@ def test_expanded_and_no_replay_give_the_same_outputs(workspace):
             np.testing.assert_allclose(g[key], value, rtol=1e-3, atol=1e-6)
 
 
+def test_loss_positions_only(workspace):
+    """--logprobs loss writes NaN where the loss reads nothing (trajectory 7's masked prompt) and the same
+    values and gradients elsewhere."""
+    outputs = {}
+    for which in ("all", "loss"):
+        lp, g = workspace / f"which-{which}.npz", workspace / f"which-{which}.safetensors"
+        assert harts(["run", str(workspace / "step.plan"), "--model", str(workspace / "model"), "--loss", "grpo",
+                      "--logprobs", which, "--logprobs-out", str(lp), "--grads-out", str(g)]) == 0
+        outputs[which] = (np.load(lp), load_file(g))
+    (every, g_every), (only, g_only) = outputs["all"], outputs["loss"]
+    assert np.all(np.isnan(only["7"][:4])) and not np.any(np.isnan(every["7"][1:4]))
+    np.testing.assert_allclose(only["7"][4:], every["7"][4:], atol=1e-6)
+    np.testing.assert_allclose(only["a"][1:], every["a"][1:], atol=1e-6)
+    for key, value in g_every.items():
+        np.testing.assert_allclose(g_only[key], value, rtol=1e-4, atol=1e-7)
+
+
 def test_bad_model_directory_is_one_line(workspace, tmp_path, capsys):
     assert harts(["run", str(workspace / "step.plan"), "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()

@@ -1,26 +1,26 @@
 """Compact log-probability recovery: the LM head on compact rows, in blocks.
 
 Legend: C compact rows, D hidden size, V vocabulary, P semantic positions,
-R rows of one block.
+A rows some position reads, R rows of one block.
 
-Each semantic position p (a trajectory position i >= 1) reads the logits of
-the row of its previous position, `position_row[p]`, at its own label,
-`position_label[p]`:
+Each semantic position p (a trajectory position i >= 1; or only those the
+loss reads, see `harts run --logprobs loss`) reads the logits of the row of
+its previous position, `position_row[p]`, at its own label, `position_label[p]`:
 
     lambda_p = z[row_p, label_p] - logsumexp(z[row_p, :]),   z = hidden @ weight.T
 
 Several positions may share a row with different labels (branches that
 diverge right after it); each keeps its own log-probability and its own
-gradient. Forward and backward are O(C V + P) work and never hold more than an
-[R, V] block of logits: backward recomputes each block's logits from the saved
-hidden rows and log-sum-exps,
+gradient. Forward computes logits only for the A rows some position reads.
+Backward recomputes each block's logits from the saved hidden rows and
+log-sum-exps,
 
     dL/dz[r] = sum_{p: row_p = r} g_p * (onehot(label_p) - softmax(z[r])),
 
-so no [C, V] or [P, V] tensor is ever saved. A row none of whose positions
-receives a gradient (in RL: every position with loss_mask 0, e.g. prompts and
-tool outputs) has dL/dz[r] = 0 exactly, so backward recomputes logits only
-for the rows that do: its cost follows the loss-weighted positions, not C.
+so no [C, V] or [P, V] tensor is ever saved, and only for rows with a
+position that carries a gradient: every other row has dL/dz[r] = 0 exactly
+(in RL, positions with loss_mask 0, e.g. prompts and tool outputs), so the
+backward's cost follows the loss-weighted positions, not C.
 """
 from __future__ import annotations
 
@@ -35,57 +35,59 @@ class _CompactLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_CD, weight_VD, position_row_P, position_label_P, block_rows: int):
         compute = torch.promote_types(hidden_CD.dtype, torch.float32)
+        device = hidden_CD.device
         weight_c = weight_VD.to(compute)
-        C = hidden_CD.shape[0]
-        lse_C = torch.empty(C, dtype=compute, device=hidden_CD.device)
-        # Sort positions by row once so each block reads a contiguous slice.
-        order_P = torch.argsort(position_row_P, stable=True)
-        rows_sorted_P = position_row_P[order_P]
-        bounds = torch.searchsorted(rows_sorted_P, torch.arange(0, C + block_rows, block_rows, device=hidden_CD.device))
-        target_P = torch.empty(position_row_P.shape[0], dtype=compute, device=hidden_CD.device)
-        for b, start in enumerate(_block_starts(C, block_rows)):
-            stop = min(start + block_rows, C)
-            logits_RV = hidden_CD[start:stop].to(compute) @ weight_c.T
-            lse_C[start:stop] = torch.logsumexp(logits_RV, dim=-1)
-            lo, hi = int(bounds[b]), int(bounds[b + 1])
-            picked = order_P[lo:hi]
-            target_P[picked] = logits_RV[position_row_P[picked] - start, position_label_P[picked]]
-        ctx.save_for_backward(hidden_CD, weight_VD, position_row_P, position_label_P, lse_C)
+        # Only rows some position reads need logits (a leaf's last row predicts nothing; with
+        # positions limited to the loss, most rows of a prompt or tool output are not read).
+        read_A, slot_P = torch.unique(position_row_P, return_inverse=True)
+        A = read_A.shape[0]
+        lse_A = torch.empty(A, dtype=compute, device=device)
+        # Sort positions by slot once so each block reads a contiguous slice.
+        order_P = torch.argsort(slot_P, stable=True)
+        bounds = torch.searchsorted(slot_P[order_P], torch.arange(0, A + block_rows, block_rows, device=device))
+        target_P = torch.empty(position_row_P.shape[0], dtype=compute, device=device)
+        for b, start in enumerate(_block_starts(A, block_rows)):
+            logits_RV = hidden_CD[read_A[start:start + block_rows]].to(compute) @ weight_c.T
+            lse_A[start:start + block_rows] = torch.logsumexp(logits_RV, dim=-1)
+            picked = order_P[int(bounds[b]):int(bounds[b + 1])]
+            target_P[picked] = logits_RV[slot_P[picked] - start, position_label_P[picked]]
+        ctx.save_for_backward(hidden_CD, weight_VD, position_label_P, read_A, slot_P, lse_A)
         ctx.block_rows = block_rows
-        return target_P - lse_C[position_row_P]
+        return target_P - lse_A[slot_P]
 
     @staticmethod
     def backward(ctx, grad_P):
-        hidden_CD, weight_VD, position_row_P, position_label_P, lse_C = ctx.saved_tensors
+        hidden_CD, weight_VD, position_label_P, read_A, slot_P, lse_A = ctx.saved_tensors
         block_rows = ctx.block_rows
-        compute = lse_C.dtype
+        compute = lse_A.dtype
         device = hidden_CD.device
         weight_c = weight_VD.to(compute)
         grad_P = grad_P.to(compute)
-        C = hidden_CD.shape[0]
+        A = read_A.shape[0]
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.zeros_like(hidden_CD, dtype=compute) if need_hidden else None
         grad_weight = torch.zeros_like(weight_c) if need_weight else None
+        # Sum of incoming gradients per read row: the weight of that row's softmax term.
+        row_grad_A = torch.zeros(A, dtype=compute, device=device).index_add_(0, slot_P, grad_P)
         # Only positions with a gradient contribute; only their rows need logits again.
         live_L = torch.nonzero(grad_P).squeeze(1)
-        active_A = torch.unique(position_row_P[live_L])                  # sorted rows
-        # Sum of incoming gradients per row: the weight of that row's softmax term.
-        row_grad_C = torch.zeros(C, dtype=compute, device=device).index_add_(0, position_row_P, grad_P)
-        slot_of_row_C = torch.full((C,), -1, dtype=torch.long, device=device)
-        slot_of_row_C[active_A] = torch.arange(active_A.shape[0], device=device)
-        slot_L = slot_of_row_C[position_row_P[live_L]]
-        order_L = torch.argsort(slot_L, stable=True)
-        live_L, slot_L = live_L[order_L], slot_L[order_L]
-        A = active_A.shape[0]
-        grad_hidden = torch.zeros_like(hidden_CD, dtype=compute) if need_hidden else None
-        bounds = torch.searchsorted(slot_L, torch.arange(0, A + block_rows, block_rows, device=device))
-        for b, start in enumerate(_block_starts(A, block_rows)):
-            rows_R = active_A[start:start + block_rows]
+        active_S = torch.unique(slot_P[live_L])                          # read-row slots, sorted
+        S = active_S.shape[0]
+        rank_of_slot_A = torch.full((A,), -1, dtype=torch.long, device=device)
+        rank_of_slot_A[active_S] = torch.arange(S, device=device)
+        rank_L = rank_of_slot_A[slot_P[live_L]]
+        order_L = torch.argsort(rank_L, stable=True)
+        live_L, rank_L = live_L[order_L], rank_L[order_L]
+        bounds = torch.searchsorted(rank_L, torch.arange(0, S + block_rows, block_rows, device=device))
+        for b, start in enumerate(_block_starts(S, block_rows)):
+            slots_R = active_S[start:start + block_rows]
+            rows_R = read_A[slots_R]
             hidden_RD = hidden_CD[rows_R].to(compute)
             logits_RV = hidden_RD @ weight_c.T
-            grad_logits_RV = -torch.exp(logits_RV - lse_C[rows_R, None]) * row_grad_C[rows_R, None]
+            grad_logits_RV = -torch.exp(logits_RV - lse_A[slots_R, None]) * row_grad_A[slots_R, None]
             lo, hi = int(bounds[b]), int(bounds[b + 1])
             picked = live_L[lo:hi]
-            grad_logits_RV.index_put_((slot_L[lo:hi] - start, position_label_P[picked]), grad_P[picked],
+            grad_logits_RV.index_put_((rank_L[lo:hi] - start, position_label_P[picked]), grad_P[picked],
                                       accumulate=True)
             if need_hidden:
                 grad_hidden[rows_R] = grad_logits_RV @ weight_c
