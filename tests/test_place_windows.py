@@ -113,18 +113,24 @@ def test_capacity_equal_to_the_longest_trajectory():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 3), st.integers(2, 4), st.integers(1, 4), st.randoms(use_true_random=False))
-def test_exchange_candidates_match_brute_force(windows, dp, slots_per_window, rng):
-    """Every swap lowering a window's sum of slot maxima at fixed costs is found, with its exact change."""
+@given(st.integers(1, 3), st.integers(2, 4), st.integers(1, 4), st.booleans(), st.randoms(use_true_random=False))
+def test_exchange_candidates_match_brute_force(windows, dp, slots_per_window, re_estimated, rng):
+    """Every swap that lowers a window's sum of slot maxima under the surrogate is found, with its exact change.
+
+    The surrogate holds costs fixed, or gives a moved consumer its cost in the
+    new cell from a [K, G] table (`re_estimated`).
+    """
     sizes = [slots_per_window] * windows
     window_start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     cell_of_consumer = np.repeat(np.arange(windows * dp), slots_per_window)
-    K = len(cell_of_consumer)
+    K, G = len(cell_of_consumer), windows * dp
     cost = np.array([rng.randint(0, 9) for _ in range(K)], dtype=np.int64)
-    layout = pw._Layout("t", np.zeros(1, dtype=np.int64), cell_of_consumer, window_start, np.zeros(windows * dp))
+    in_cell = np.array([[rng.randint(0, 9) for _ in range(G)] for _ in range(K)], dtype=np.int64)
+    in_cell[np.arange(K), cell_of_consumer] = cost
+    layout = pw._Layout("t", np.zeros(1, dtype=np.int64), cell_of_consumer, window_start, np.zeros(G))
 
-    def window_phi(cells, w):
-        ranked = [np.sort(cost[cells == g])[::-1] for g in range(w * dp, (w + 1) * dp)]
+    def window_phi(cells, costs, w):
+        ranked = [np.sort(costs[cells == g])[::-1] for g in range(w * dp, (w + 1) * dp)]
         return int(np.max(ranked, axis=0).sum())
 
     expected = []
@@ -135,12 +141,44 @@ def test_exchange_candidates_match_brute_force(windows, dp, slots_per_window, rn
                 continue
             cells = cell_of_consumer.copy()
             cells[[x, y]] = cells[[y, x]]
-            change = window_phi(cells, w) - window_phi(cell_of_consumer, w)
+            costs = cost.copy()
+            if re_estimated:
+                costs[x], costs[y] = in_cell[x, cells[x]], in_cell[y, cells[y]]
+            change = window_phi(cells, costs, w) - window_phi(cell_of_consumer, cost, w)
             if change < 0:
                 expected.append((change, x, y))
-    found = pw._exchange_candidates(layout, cost, dp)
+    found = pw._exchange_candidates(layout, cost, dp, in_cell if re_estimated else None)
     assert sorted(found) == sorted(expected)
     assert [c for c, _, _ in found] == sorted(c for c, _, _ in found), "best swaps first"
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(forests(), st.integers(2, 3), st.randoms(use_true_random=False))
+def test_cost_in_cells_counts_a_moved_consumers_rows_exactly(lists, dp, rng):
+    """A consumer moved alone to another cell of its window computes exactly the rows the estimate counts."""
+    lengths, lcp = lengths_and_lcp(sorted(lists))
+    model = pw.PrefixCostModel.build(lengths, lcp)
+    n = len(lengths)
+    K = min(n, 2 * dp)
+    consumer_of = np.array([k % K for k in range(n)], dtype=np.int64)
+    rng.shuffle(consumer_of)
+    cell_of_consumer = np.arange(K, dtype=np.int64) % dp
+    options = L2Options()
+    caps = np.full(dp, pw.NO_CAP, dtype=np.int64)
+    ev = pw._evaluate(model, options, consumer_of, cell_of_consumer, caps, K, dp)
+    cost = ev.res_f + ev.res_b
+    layout = pw._Layout("t", consumer_of, cell_of_consumer, np.array([0, 2]), caps)
+    estimate = pw._cost_in_cells(model, layout, ev, cost, dp)
+    per_row = cost / np.maximum(ev.res_n, 1)
+    for k in range(K):
+        for g in range(dp):
+            if g == cell_of_consumer[k]:
+                assert estimate[k, g] == cost[k]
+                continue
+            moved = cell_of_consumer.copy()
+            moved[k] = g
+            exact = pw._evaluate(model, options, consumer_of, moved, caps, K, dp)
+            assert estimate[k, g] == pytest.approx(exact.res_n[k] * per_row[k])
 
 
 def test_exchanges_lower_phi_and_keep_the_placement_valid():

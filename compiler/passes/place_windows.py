@@ -94,10 +94,11 @@ the choices filling the gaps are:
   leaves the producer that cached its shared rows. Moving trajectories rarely
   levels slots on long-context workloads (a chain's history rarely fits in
   another consumer), while trading whole consumers matches the replicas'
-  slot profiles. Every swap is first scored with costs held fixed (slots of
-  a cell re-sorted, the window's sum of slot maxima), the best
-  `exchange_candidates` are evaluated exactly, and the best is kept when
-  (Phi, sum of squared costs) decreases and tokens stay within L1's.
+  slot profiles. Every swap is first scored by a surrogate (slots of a cell
+  re-sorted, the window's sum of slot maxima; costs held fixed, and again
+  with the moved consumers' caching re-estimated), the two rankings are
+  interleaved and evaluated exactly in order, and the first swap that
+  lowers (Phi, sum of squared costs) with tokens within L1's is kept.
 
 Everything is deterministic; no randomness is used (`seed` is recorded only).
 Legend: N sorted positions, K consumers, D replicas, J slots, W windows,
@@ -106,6 +107,7 @@ G = W x D cells (one per window and replica).
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -138,10 +140,12 @@ class L2Options:
     repack_shares: tuple[float, ...] = (1.0,)
     # Local refinement: at most this many accepted or rejected move rounds.
     refine_steps: int = 32
-    # Placement exchanges: at most this many accepted whole-consumer swaps, each
-    # chosen among this many surrogate-ranked swaps evaluated exactly.
-    exchange_rounds: int = 24
-    exchange_candidates: int = 32
+    # Placement exchanges: at most this many accepted whole-consumer swaps; each
+    # round scans at most `exchange_candidates` surrogate-ranked swaps, and all
+    # rounds together evaluate at most `exchange_evaluations` exactly.
+    exchange_rounds: int = 60
+    exchange_candidates: int = 64
+    exchange_evaluations: int = 400
     seed: int = 0                       # recorded only: the pass is deterministic
 
     @classmethod
@@ -975,13 +979,48 @@ def _refine(model: PrefixCostModel, options: L2Options, layout: _Layout, dp: int
     return layout
 
 
-def _exchange_candidates(layout: _Layout, cost: np.ndarray, dp: int) -> list[tuple[int, int, int]]:
-    """Swaps (change, x, y) of consumers x, y in different cells of one window that lower its Phi at fixed costs.
+def _cost_in_cells(model: PrefixCostModel, layout: _Layout, ev: _Eval, cost: np.ndarray, dp: int) -> np.ndarray:
+    """[K, G]: each consumer's estimated cost if it alone moved to each cell (its own cell: its cost).
+
+    A member's rows stay cached when some consumer of the new cell shares
+    them: its LCP with the nearest position of that cell, below or above,
+    capped by the cell's depth cap. The estimate keeps the consumer's cost per
+    computed row, and ignores that its old cell mates lose what they shared
+    with it; exact evaluation settles both.
+    """
+    lengths = model.lengths
+    n, K = model.num_trajectories, len(layout.cell_of_consumer)
+    G = len(layout.cap_of_cell)
+    cell_of_position = layout.cell_of_consumer[layout.consumer_of]
+    per_row = cost / np.maximum(ev.res_n, 1)
+    estimate = np.repeat(cost[:, None].astype(np.float64), G, axis=1)
+    for g in range(G):
+        inside = np.flatnonzero(cell_of_position == g)
+        outside = np.flatnonzero((cell_of_position != g) & (cell_of_position // dp == g // dp))
+        if not len(inside) or not len(outside):
+            continue
+        at = np.searchsorted(inside, outside)
+        below = np.where(at > 0, inside[np.maximum(at - 1, 0)], -1)
+        above = np.where(at < len(inside), inside[np.minimum(at, len(inside) - 1)], n)
+        shared = np.maximum(model.neighbour_lcp(below, outside), model.neighbour_lcp(outside, above))
+        cached = np.minimum(np.minimum(shared, lengths[outside]), layout.cap_of_cell[g])
+        rows = lengths[outside] - np.maximum(ev.lcp_consumer[outside], cached)
+        consumer = layout.consumer_of[outside]
+        estimate[:, g] = np.where(np.isin(np.arange(K), consumer), 0.0, estimate[:, g])
+        np.add.at(estimate[:, g], consumer, rows * per_row[consumer])
+    return estimate
+
+
+def _exchange_candidates(layout: _Layout, cost: np.ndarray, dp: int,
+                         cost_in_cell: np.ndarray | None = None) -> list[tuple[int, int, int]]:
+    """Swaps (change, x, y) of consumers x, y in different cells of one window that lower its Phi.
 
     With costs held fixed, a window's Phi is the sum over slot ranks of the
     largest rank-th cost over its cells (each cell's slots are its costs in
-    descending order, as `_score` orders them). For a pair of cells all
-    |A| x |B| swaps are scored at once; best (most negative change) first.
+    descending order, as `_score` orders them). A moved consumer costs
+    `cost_in_cell[k, new cell]` when given (`_cost_in_cells`), else its
+    current cost. For a pair of cells all |A| x |B| swaps are scored at once;
+    best (most negative change) first.
     """
     found = []
     W = len(layout.window_start) - 1
@@ -994,11 +1033,13 @@ def _exchange_candidates(layout: _Layout, cost: np.ndarray, dp: int) -> list[tup
                 rest = np.delete(profile, [a, b], axis=0).max(axis=0, initial=0)
                 xs, ys = members[a], members[b]
                 nx, ny, slots = len(xs), len(ys), profile.shape[1]
+                y_in_a = cost[ys] if cost_in_cell is None else cost_in_cell[ys, w * dp + a]
+                x_in_b = cost[xs] if cost_in_cell is None else cost_in_cell[xs, w * dp + b]
                 # cell a with x replaced by y, and cell b with y replaced by x: [x, y, slot]
                 new_a = np.broadcast_to(cost[xs], (nx, ny, slots)).copy()
-                new_a[np.arange(nx), :, np.arange(nx)] = np.broadcast_to(cost[ys], (nx, ny))
+                new_a[np.arange(nx), :, np.arange(nx)] = np.broadcast_to(y_in_a, (nx, ny))
                 new_b = np.broadcast_to(cost[ys], (nx, ny, slots)).copy()
-                new_b[:, np.arange(ny), np.arange(ny)] = np.broadcast_to(cost[xs][:, None], (nx, ny))
+                new_b[:, np.arange(ny), np.arange(ny)] = np.broadcast_to(x_in_b[:, None], (nx, ny))
                 new_a.sort(axis=2)
                 new_b.sort(axis=2)
                 change = np.maximum(np.maximum(new_a, new_b), rest).sum(axis=2) - base
@@ -1010,13 +1051,27 @@ def _exchange_candidates(layout: _Layout, cost: np.ndarray, dp: int) -> list[tup
 
 def _exchange(model: PrefixCostModel, options: L2Options, layout: _Layout, dp: int, capacity: int,
               token_limit: int, decisions: list[str]) -> _Layout:
-    """Placement exchanges: whole consumers of one window trade replicas; see the module docstring."""
+    """Placement exchanges: whole consumers of one window trade replicas; see the module docstring.
+
+    Each round ranks the swaps twice, with costs held fixed and with the moved
+    consumers re-estimated in their new cells (`_cost_in_cells`), interleaves
+    the two rankings and keeps the first swap whose exact evaluation lowers
+    (Phi, sum of squared costs). Neither surrogate ranks well alone on every
+    workload: fixed costs ignore the caching a move loses, the estimate
+    ignores what the old cell mates lose.
+    """
     potential = _potential(layout)
     accepted = evaluations = 0
     for _ in range(options.exchange_rounds):
         cost = layout.ev.res_f + layout.ev.res_b
-        best = best_score = None
-        for _, x, y in _exchange_candidates(layout, cost, dp)[:options.exchange_candidates]:
+        fixed = _exchange_candidates(layout, cost, dp)
+        moved = _exchange_candidates(layout, cost, dp, _cost_in_cells(model, layout, layout.ev, cost, dp))
+        interleaved = (pair for both in itertools.zip_longest(fixed, moved) for pair in both if pair is not None)
+        ranked = list(dict.fromkeys(pair[1:] for pair in interleaved))
+        kept = None
+        for x, y in ranked[:options.exchange_candidates]:
+            if evaluations >= options.exchange_evaluations:
+                break
             cells = layout.cell_of_consumer.copy()
             cells[[x, y]] = cells[[y, x]]
             trial = _Layout(layout.name, layout.consumer_of, cells, layout.window_start, layout.cap_of_cell)
@@ -1024,11 +1079,12 @@ def _exchange(model: PrefixCostModel, options: L2Options, layout: _Layout, dp: i
             if not _score(model, options, trial, dp, capacity, allow_caps=False) or trial.key[1] > token_limit:
                 continue
             score = (trial.key[0], _potential(trial))
-            if score < (layout.key[0], potential) and (best is None or score < best_score):
-                best, best_score = trial, score
-        if best is None:
+            if score < (layout.key[0], potential):
+                kept = trial, score[1]
+                break
+        if kept is None:
             break
-        layout, potential = best, best_score[1]
+        layout, potential = kept
         accepted += 1
     decisions.append(f"exchanges: {accepted} consumer swaps accepted, {evaluations} evaluated, key={layout.key}")
     return layout
