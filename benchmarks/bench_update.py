@@ -31,7 +31,10 @@ prompt and tool-output rows); the per-trajectory baseline is unchanged.
 
 Throughput is original tokens / wall seconds (compile + forward + backward),
 the median of `--repeat` runs in the configuration's process (the first run
-of a process pays one-time allocator and thread-pool warm-up).
+of a process pays one-time allocator and thread-pool warm-up); with
+`--rounds N`, N such processes per configuration run in alternation and the
+table shows the median of their medians. On a shared 2-core machine single
+runs swing by up to 20%: use `--rounds 2` or more before quoting a ratio.
 Targets (issue #3): compact/expanded >= 0.8 x compression; compact >= 1.5 x
 node-wise; expanded no slower than 1.2 x the per-trajectory baseline.
 """
@@ -45,6 +48,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 # SWE-shaped (long shared prompt, tool outputs) at a CPU-sized scale.
 SWE_SMALL = dict(tasks=2, group_size=3, system_prompt_tokens=768, task_tokens_min=128, task_tokens_max=256,
@@ -69,7 +74,6 @@ def generate(workload: str, vocab: int, out: Path) -> None:
 def child(config: str, trees: str, model_dir: str, chunk_size: int, capacity: int, repeat: int,
           max_window_slots: int, logprobs: str) -> None:
     """Run one configuration `repeat` times and print a JSON line (median seconds, rows, peak RSS)."""
-    import numpy as np
     import torch
 
     from harts.compiler.read_trees import read_trees
@@ -138,6 +142,9 @@ def main() -> None:
                              "expanded group (default 16384, sized for a CPU)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs per configuration, in one process; the table shows the median (default 3)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="processes per configuration, run in alternation; the table shows the median of "
+                             "their medians (default 1)")
     parser.add_argument("--max-window-slots", type=int, default=0,
                         help="windows: no window spans more slots than this (default 0: no limit)")
     parser.add_argument("--logprobs", choices=("all", "loss"), default="all",
@@ -160,16 +167,21 @@ def main() -> None:
     for kind in args.workloads.split(","):
         trees = folder / f"{kind}.jsonl"
         generate(kind, vocab, trees)
-        results = {}
-        for config in args.configs.split(","):
-            out = subprocess.run([sys.executable, __file__, "--child", config, str(trees), str(model_dir),
-                                  str(args.chunk_size), str(args.capacity), str(args.repeat),
-                                  str(args.max_window_slots), args.logprobs],
-                                 capture_output=True, text=True)
-            if out.returncode != 0:
-                raise SystemExit(f"{config} on {kind} failed:\n{out.stderr[-3000:]}")
-            results[config] = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"  {kind:<9} {config:<18} {results[config]['seconds']:.1f}s", file=sys.stderr)
+        runs: dict[str, list[dict]] = {}
+        # Rounds alternate the configurations (A B A B ...): drift on a shared machine then hits
+        # every configuration alike instead of whichever ran during a slow spell.
+        for _ in range(args.rounds):
+            for config in args.configs.split(","):
+                out = subprocess.run([sys.executable, __file__, "--child", config, str(trees), str(model_dir),
+                                      str(args.chunk_size), str(args.capacity), str(args.repeat),
+                                      str(args.max_window_slots), args.logprobs],
+                                     capture_output=True, text=True)
+                if out.returncode != 0:
+                    raise SystemExit(f"{config} on {kind} failed:\n{out.stderr[-3000:]}")
+                runs.setdefault(config, []).append(json.loads(out.stdout.strip().splitlines()[-1]))
+                print(f"  {kind:<9} {config:<18} {runs[config][-1]['seconds']:.1f}s", file=sys.stderr)
+        results = {config: dict(r[0], seconds=float(np.median([x["seconds"] for x in r])),
+                                peak_rss_mib=max(x["peak_rss_mib"] for x in r)) for config, r in runs.items()}
         table.append((kind, results))
 
     print(f"{'workload':<16} {'configuration':<36} {'tokens':>8} {'rows':>8} {'compr.':>7} {'seconds':>8} "

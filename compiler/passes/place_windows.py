@@ -1141,7 +1141,6 @@ def _pull_moves(model, layout: _Layout, ev: _Eval, b: int, dp: int, capacity: in
     half of b's deficit first (the donor's slot often has a deficit too).
     """
     lengths = model.lengths
-    K = len(layout.cell_of_consumer)
     cost = ev.res_f + ev.res_b
     fwd, bwd, _, _ = _grid_costs(layout, dp)
     slot_max = (fwd + bwd).max(axis=0)
