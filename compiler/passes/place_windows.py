@@ -883,11 +883,10 @@ def _trim(model: PrefixCostModel, options: L2Options, layout: _Layout, dp: int, 
                 if receiver < 0:
                     continue
                 trial = _apply_move(layout, np.array([x]), a, receiver)
-                if trial is None or not _score(model, options, trial, dp, capacity, allow_caps=False):
+                if trial is None:
                     continue
-                if trial.key[1] > token_limit:
-                    continue
-                if trial.key[0] <= layout.key[0]:
+                score = _trial_score(model, options, trial, dp, capacity, token_limit)
+                if score is not None and score[0] <= layout.key[0]:
                     layout = trial
                     exported += 1
                     break
@@ -912,6 +911,15 @@ def _potential(layout: _Layout) -> float:
     consumer = (ev.res_f + ev.res_b).astype(np.float64)
     producer = (ev.pro_f + ev.pro_b).astype(np.float64)
     return float(np.dot(consumer, consumer) + np.dot(producer, producer))
+
+
+def _trial_score(model: PrefixCostModel, options: L2Options, trial: _Layout, dp: int, capacity: int,
+                 token_limit: int) -> tuple[int, float] | None:
+    """(Phi, sum of squared costs) of a local-search trial; None when it breaks a capacity (caps are
+    kept: no producer may need a new one) or runs more decoder tokens than L1's consumers would."""
+    if not _score(model, options, trial, dp, capacity, allow_caps=False) or trial.key[1] > token_limit:
+        return None
+    return trial.key[0], _potential(trial)
 
 
 def _run_rows(runs: list[np.ndarray], lengths: np.ndarray, ev: _Eval) -> np.ndarray:
@@ -944,15 +952,15 @@ def _refine(model: PrefixCostModel, options: L2Options, layout: _Layout, dp: int
         pull = step % 2 == 1
         if pull:
             fwd, bwd, _, _ = _grid_costs(layout, dp)
-            deficit = (fwd + bwd).max(axis=0)[layout.slot] - cost
-            ranked = np.argsort(-deficit, kind="stable").tolist()
+            slot_max = (fwd + bwd).max(axis=0)
+            ranked = np.argsort(-(slot_max[layout.slot] - cost), kind="stable").tolist()
         else:
             ranked = np.argsort(-cost, kind="stable").tolist()
         order = [k for k in ranked if (k, pull) not in stuck]
         if not order:
             break
         focus = order[0]
-        moves = _pull_moves(model, layout, ev, focus, dp, capacity) if pull else \
+        moves = _pull_moves(model, layout, ev, focus, dp, capacity, slot_max) if pull else \
             _push_moves(model, layout, ev, focus, dp, capacity)
         best = best_score = None
         for positions, a, b in moves:
@@ -960,13 +968,11 @@ def _refine(model: PrefixCostModel, options: L2Options, layout: _Layout, dp: int
             if trial is None:
                 continue
             evaluations += 1
-            if not _score(model, options, trial, dp, capacity, allow_caps=False):
+            score = _trial_score(model, options, trial, dp, capacity, token_limit)
+            if score is None:
                 continue
             if layout.cell_of_consumer[b] != layout.cell_of_consumer[a] and trial.key[1] > layout.key[1]:
                 continue   # exchanges between replicas never add tokens
-            if trial.key[1] > token_limit:
-                continue
-            score = (trial.key[0], _potential(trial))
             if score < (layout.key[0], potential) and (best is None or score < best_score):
                 best, best_score = trial, score
         if best is None:
@@ -1076,10 +1082,8 @@ def _exchange(model: PrefixCostModel, options: L2Options, layout: _Layout, dp: i
             cells[[x, y]] = cells[[y, x]]
             trial = _Layout(layout.name, layout.consumer_of, cells, layout.window_start, layout.cap_of_cell)
             evaluations += 1
-            if not _score(model, options, trial, dp, capacity, allow_caps=False) or trial.key[1] > token_limit:
-                continue
-            score = (trial.key[0], _potential(trial))
-            if score < (layout.key[0], potential):
+            score = _trial_score(model, options, trial, dp, capacity, token_limit)
+            if score is not None and score < (layout.key[0], potential):
                 kept = trial, score[1]
                 break
         if kept is None:
@@ -1130,8 +1134,8 @@ def _push_moves(model, layout: _Layout, ev: _Eval, a: int, dp: int, capacity: in
     return moves
 
 
-def _pull_moves(model, layout: _Layout, ev: _Eval, b: int, dp: int, capacity: int) -> list:
-    """Candidate moves into consumer b, which runs below its slot's maximum: tails of nested chains.
+def _pull_moves(model, layout: _Layout, ev: _Eval, b: int, dp: int, capacity: int, slot_max: np.ndarray) -> list:
+    """Candidate moves into consumer b, which runs below its slot's maximum `slot_max[slot]`: tails of nested chains.
 
     A tail is a chain's members from some member up; it leaves its consumer a
     with the rows above the member below it, and b must then hold the tail's
@@ -1142,8 +1146,6 @@ def _pull_moves(model, layout: _Layout, ev: _Eval, b: int, dp: int, capacity: in
     """
     lengths = model.lengths
     cost = ev.res_f + ev.res_b
-    fwd, bwd, _, _ = _grid_costs(layout, dp)
-    slot_max = (fwd + bwd).max(axis=0)
     cell = int(layout.cell_of_consumer[b])
     in_window = np.flatnonzero(layout.cell_of_consumer // dp == cell // dp)
     same_cell = in_window[(layout.cell_of_consumer[in_window] == cell) & (in_window != b)]
