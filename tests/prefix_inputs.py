@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
+from harts.schema.errors import PassFailedError
+
 
 @st.composite
 def token_batches(draw, min_n: int = 1, max_n: int = 10, max_len: int = 7, alphabet: int = 3):
@@ -54,3 +56,13 @@ def forests(draw):
         tail = draw(st.lists(st.integers(0, 3), min_size=max(0, 2 - cut), max_size=20))
         lists.append(base[:cut] + tail)
     return lists
+
+
+def unless_dp_refused(compile, dp: int):
+    """compile(), or None when it refuses a random forest the one legal way: the trajectories
+    cannot be split into a multiple of dp non-empty microbatches."""
+    try:
+        return compile()
+    except PassFailedError as err:
+        assert f"into a multiple of {dp} non-empty microbatches" in str(err)
+        return None
