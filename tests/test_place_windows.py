@@ -179,6 +179,35 @@ def test_cost_in_cells_counts_a_moved_consumers_rows_exactly(lists, dp, rng):
             assert estimate[k, g] == pytest.approx(exact.res_n[k] * per_row[k])
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(forests(), st.integers(2, 3), st.booleans(), st.randoms(use_true_random=False))
+def test_reevaluating_the_touched_cells_equals_a_full_evaluation(lists, dp, swap, rng):
+    """A move or swap confined to two cells, re-evaluated on those cells only, matches `_evaluate` field by field."""
+    lengths, lcp = lengths_and_lcp(sorted(lists))
+    model = pw.PrefixCostModel.build(lengths, lcp)
+    n = len(lengths)
+    K = min(n, 2 * dp)
+    G = 2 * dp   # two windows of D cells
+    consumer_of = np.array([k % K for k in range(n)], dtype=np.int64)
+    rng.shuffle(consumer_of)
+    cell_of_consumer = np.array([rng.randrange(G) for _ in range(K)], dtype=np.int64)
+    caps = np.array([rng.choice([pw.NO_CAP, rng.randrange(1, 8)]) for _ in range(G)], dtype=np.int64)
+    options = L2Options()
+    base = pw._evaluate(model, options, consumer_of, cell_of_consumer, caps, K, G)
+    a, b = rng.randrange(K), rng.randrange(K)
+    moved_consumers, moved_cells = consumer_of.copy(), cell_of_consumer.copy()
+    if swap:
+        moved_cells[[a, b]] = moved_cells[[b, a]]
+    else:
+        members = np.flatnonzero(consumer_of == a)
+        moved_consumers[members[: rng.randrange(len(members) + 1)]] = b
+    cells = np.union1d(cell_of_consumer[[a, b]], moved_cells[[a, b]])
+    partial = pw._reevaluate(model, options, base, moved_consumers, moved_cells, caps, cells)
+    full = pw._evaluate(model, options, moved_consumers, moved_cells, caps, K, G)
+    for name in pw._Eval.__slots__:
+        np.testing.assert_array_equal(getattr(partial, name), getattr(full, name), err_msg=name)
+
+
 def test_exchanges_lower_phi_and_keep_the_placement_valid():
     """A random forest at D = 3 where trading whole consumers between replicas lowers Phi.
 

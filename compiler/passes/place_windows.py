@@ -238,40 +238,84 @@ def _evaluate(model: PrefixCostModel, options: L2Options, consumer_of: np.ndarra
     [max(lcp in consumer, cached), len); producer rows first created by x:
     depths [lcp in cell, max(lcp in cell, cached)).
     """
+    positions = np.arange(model.num_trajectories, dtype=np.int64)
+    return _evaluate_positions(model, options, positions, consumer_of, cell_of_consumer, cap_of_cell, K, G)
+
+
+def _reevaluate(model: PrefixCostModel, options: L2Options, base: _Eval, consumer_of: np.ndarray,
+                cell_of_consumer: np.ndarray, cap_of_cell: np.ndarray, cells) -> _Eval:
+    """`_evaluate` of an assignment that differs from `base`'s only inside `cells`, in time of those cells.
+
+    Every quantity of a position depends only on the members of its own
+    consumer and cell, and a consumer's or producer's costs only on its
+    positions; so a move or swap confined to `cells` (which must hold every
+    consumer it touches, before and after) changes nothing elsewhere, and
+    re-evaluating those cells' positions gives exactly `_evaluate`'s result.
+    """
+    K, G = len(cell_of_consumer), len(cap_of_cell)
+    cells = np.asarray(cells, dtype=np.int64)
+    positions = np.flatnonzero(np.isin(cell_of_consumer[consumer_of], cells))
+    part = _evaluate_positions(model, options, positions, consumer_of, cell_of_consumer, cap_of_cell, K, G)
+    consumers = np.flatnonzero(np.isin(cell_of_consumer, cells))
+
+    def spliced(old: np.ndarray, new: np.ndarray, index: np.ndarray, take: np.ndarray) -> np.ndarray:
+        out = old.copy()
+        out[index] = new[take]
+        return out
+
+    local = np.arange(len(positions))
+    return _Eval(*(spliced(getattr(base, name), getattr(part, name), positions, local)
+                   for name in ("cached", "lcp_consumer", "lcp_cell")),
+                 *(spliced(getattr(base, name), getattr(part, name), consumers, consumers)
+                   for name in ("full", "res_n", "res_f", "res_b")),
+                 *(spliced(getattr(base, name), getattr(part, name), cells, cells)
+                   for name in ("pro_n", "pro_f", "pro_b")))
+
+
+def _evaluate_positions(model: PrefixCostModel, options: L2Options, positions: np.ndarray, consumer_of: np.ndarray,
+                        cell_of_consumer: np.ndarray, cap_of_cell: np.ndarray, K: int, G: int) -> _Eval:
+    """`_evaluate` restricted to sorted `positions`, a union of whole cells.
+
+    Per-position fields are aligned with `positions`; consumer and producer
+    fields are full-length, exact for the consumers and cells inside and 0
+    elsewhere.
+    """
     n = model.num_trajectories
-    lengths = model.lengths
-    positions = np.arange(n, dtype=np.int64)
-    cell = cell_of_consumer[consumer_of]
+    m = len(positions)
+    lengths = model.lengths[positions]
+    local = np.arange(m, dtype=np.int64)
+    consumer = consumer_of[positions]
+    cell = cell_of_consumer[consumer]
 
-    by_consumer = np.lexsort((positions, consumer_of))
-    same = consumer_of[by_consumer[1:]] == consumer_of[by_consumer[:-1]]
-    lcp_consumer = np.zeros(n, dtype=np.int64)
+    by_consumer = np.lexsort((local, consumer))
+    same = consumer[by_consumer[1:]] == consumer[by_consumer[:-1]]
+    lcp_consumer = np.zeros(m, dtype=np.int64)
     lcp_consumer[by_consumer[1:]] = np.where(
-        same, model.neighbour_lcp(np.where(same, by_consumer[:-1], -1), by_consumer[1:]), 0)
+        same, model.neighbour_lcp(np.where(same, positions[by_consumer[:-1]], -1), positions[by_consumer[1:]]), 0)
 
-    by_cell = np.lexsort((positions, cell))
+    by_cell = np.lexsort((local, cell))
     cell_sorted = cell[by_cell]
-    consumer_sorted = consumer_of[by_cell]
+    consumer_sorted = consumer[by_cell]
+    global_sorted = positions[by_cell]
     same_cell = cell_sorted[1:] == cell_sorted[:-1]
-    lcp_cell = np.zeros(n, dtype=np.int64)
+    lcp_cell = np.zeros(m, dtype=np.int64)
     lcp_cell[by_cell[1:]] = np.where(
-        same_cell, model.neighbour_lcp(np.where(same_cell, by_cell[:-1], -1), by_cell[1:]), 0)
+        same_cell, model.neighbour_lcp(np.where(same_cell, global_sorted[:-1], -1), global_sorted[1:]), 0)
     # Runs of one consumer inside the cell-sorted sequence; the nearest member
     # of another consumer is just outside the run.
-    index = np.arange(n, dtype=np.int64)
-    new_run = np.ones(n, dtype=bool)
+    new_run = np.ones(m, dtype=bool)
     new_run[1:] = ~same_cell | (consumer_sorted[1:] != consumer_sorted[:-1])
-    run_start = np.maximum.accumulate(np.where(new_run, index, 0))
-    run_last = np.ones(n, dtype=bool)
+    run_start = np.maximum.accumulate(np.where(new_run, local, 0))
+    run_last = np.ones(m, dtype=bool)
     run_last[:-1] = new_run[1:]
-    run_end = np.minimum.accumulate(np.where(run_last, index, n)[::-1])[::-1]
+    run_end = np.minimum.accumulate(np.where(run_last, local, m)[::-1])[::-1]
     before = run_start - 1
     before_ok = (before >= 0) & (cell_sorted[np.maximum(before, 0)] == cell_sorted)
     after = run_end + 1
-    after_ok = (after < n) & (cell_sorted[np.minimum(after, n - 1)] == cell_sorted)
-    below = model.neighbour_lcp(np.where(before_ok, by_cell[np.maximum(before, 0)], -1), by_cell)
-    above = model.neighbour_lcp(by_cell, np.where(after_ok, by_cell[np.minimum(after, n - 1)], n))
-    other = np.zeros(n, dtype=np.int64)
+    after_ok = (after < m) & (cell_sorted[np.minimum(after, m - 1)] == cell_sorted)
+    below = model.neighbour_lcp(np.where(before_ok, global_sorted[np.maximum(before, 0)], -1), global_sorted)
+    above = model.neighbour_lcp(global_sorted, np.where(after_ok, global_sorted[np.minimum(after, m - 1)], n))
+    other = np.zeros(m, dtype=np.int64)
     other[by_cell] = np.maximum(below, above)
     cached = np.minimum(np.minimum(other, lengths), cap_of_cell[cell])
 
@@ -282,10 +326,10 @@ def _evaluate(model: PrefixCostModel, options: L2Options, consumer_of: np.ndarra
                       options.token_cost_backward, options.pair_cost_backward)
     pairs = q * start + q * (q + 1) // 2
     rect = q * lengths
-    res_n = np.bincount(consumer_of, weights=q, minlength=K).astype(np.int64)
-    res_f = tf * res_n + pf * np.bincount(consumer_of, weights=pairs, minlength=K).astype(np.int64)
-    res_b = tb * res_n + pb * np.bincount(consumer_of, weights=rect, minlength=K).astype(np.int64)
-    full = np.bincount(consumer_of, weights=lengths - lcp_consumer, minlength=K).astype(np.int64)
+    res_n = np.bincount(consumer, weights=q, minlength=K).astype(np.int64)
+    res_f = tf * res_n + pf * np.bincount(consumer, weights=pairs, minlength=K).astype(np.int64)
+    res_b = tb * res_n + pb * np.bincount(consumer, weights=rect, minlength=K).astype(np.int64)
+    full = np.bincount(consumer, weights=lengths - lcp_consumer, minlength=K).astype(np.int64)
 
     top = np.maximum(cached, lcp_cell)
     pq = top - lcp_cell
@@ -319,8 +363,9 @@ def _window_sizes(slots: int, windows: int) -> list[int]:
 
 
 def _score(model: PrefixCostModel, options: L2Options, layout: _Layout, dp: int, capacity: int,
-           allow_caps: bool = True) -> bool:
-    """Evaluate, cap oversized producers, order slots and replicas, and compute the key.
+           allow_caps: bool = True, ev: _Eval | None = None) -> bool:
+    """Evaluate (unless `ev` is the layout's evaluation already), cap oversized producers, order slots
+    and replicas, and compute the key.
 
     Returns False when a consumer's complete layout exceeds the capacity, or
     a producer does and `allow_caps` is off (local moves keep the caps).
@@ -328,7 +373,8 @@ def _score(model: PrefixCostModel, options: L2Options, layout: _Layout, dp: int,
     K = len(layout.cell_of_consumer)
     W = len(layout.window_start) - 1
     G = W * dp
-    ev = _evaluate(model, options, layout.consumer_of, layout.cell_of_consumer, layout.cap_of_cell, K, G)
+    if ev is None:
+        ev = _evaluate(model, options, layout.consumer_of, layout.cell_of_consumer, layout.cap_of_cell, K, G)
     if ev.full.max(initial=0) > capacity:
         return False
     oversized = np.flatnonzero(ev.pro_n > capacity)
@@ -885,7 +931,7 @@ def _trim(model: PrefixCostModel, options: L2Options, layout: _Layout, dp: int, 
                 trial = _apply_move(layout, np.array([x]), a, receiver)
                 if trial is None:
                     continue
-                score = _trial_score(model, options, trial, dp, capacity, token_limit)
+                score = _trial_score(model, options, trial, dp, capacity, token_limit, layout, [a, receiver])
                 if score is not None and score[0] <= layout.key[0]:
                     layout = trial
                     exported += 1
@@ -914,10 +960,17 @@ def _potential(layout: _Layout) -> float:
 
 
 def _trial_score(model: PrefixCostModel, options: L2Options, trial: _Layout, dp: int, capacity: int,
-                 token_limit: int) -> tuple[int, float] | None:
+                 token_limit: int, parent: _Layout, consumers) -> tuple[int, float] | None:
     """(Phi, sum of squared costs) of a local-search trial; None when it breaks a capacity (caps are
-    kept: no producer may need a new one) or runs more decoder tokens than L1's consumers would."""
-    if not _score(model, options, trial, dp, capacity, allow_caps=False) or trial.key[1] > token_limit:
+    kept: no producer may need a new one) or runs more decoder tokens than L1's consumers would.
+
+    `trial` differs from the scored `parent` only in the members or cells of
+    `consumers`, so only the cells those occupy, before and after, are re-evaluated.
+    """
+    consumers = np.asarray(consumers, dtype=np.int64)
+    cells = np.union1d(parent.cell_of_consumer[consumers], trial.cell_of_consumer[consumers])
+    ev = _reevaluate(model, options, parent.ev, trial.consumer_of, trial.cell_of_consumer, trial.cap_of_cell, cells)
+    if not _score(model, options, trial, dp, capacity, allow_caps=False, ev=ev) or trial.key[1] > token_limit:
         return None
     return trial.key[0], _potential(trial)
 
@@ -968,7 +1021,7 @@ def _refine(model: PrefixCostModel, options: L2Options, layout: _Layout, dp: int
             if trial is None:
                 continue
             evaluations += 1
-            score = _trial_score(model, options, trial, dp, capacity, token_limit)
+            score = _trial_score(model, options, trial, dp, capacity, token_limit, layout, [a, b])
             if score is None:
                 continue
             if layout.cell_of_consumer[b] != layout.cell_of_consumer[a] and trial.key[1] > layout.key[1]:
@@ -1082,7 +1135,7 @@ def _exchange(model: PrefixCostModel, options: L2Options, layout: _Layout, dp: i
             cells[[x, y]] = cells[[y, x]]
             trial = _Layout(layout.name, layout.consumer_of, cells, layout.window_start, layout.cap_of_cell)
             evaluations += 1
-            score = _trial_score(model, options, trial, dp, capacity, token_limit)
+            score = _trial_score(model, options, trial, dp, capacity, token_limit, layout, [x, y])
             if score is not None and score < (layout.key[0], potential):
                 kept = trial, score[1]
                 break
