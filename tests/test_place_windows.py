@@ -202,7 +202,7 @@ def test_reevaluating_the_touched_cells_equals_a_full_evaluation(lists, dp, swap
         members = np.flatnonzero(consumer_of == a)
         moved_consumers[members[: rng.randrange(len(members) + 1)]] = b
     cells = np.union1d(cell_of_consumer[[a, b]], moved_cells[[a, b]])
-    partial = pw._reevaluate(model, options, base, moved_consumers, moved_cells, caps, cells)
+    partial = pw._reevaluate(model, options, base, moved_consumers, moved_cells, caps, cells, members_changed=not swap)
     full = pw._evaluate(model, options, moved_consumers, moved_cells, caps, K, G)
     for name in pw._Eval.__slots__:
         np.testing.assert_array_equal(getattr(partial, name), getattr(full, name), err_msg=name)

@@ -142,10 +142,13 @@ class L2Options:
     refine_steps: int = 32
     # Placement exchanges: at most this many accepted whole-consumer swaps; each
     # round scans at most `exchange_candidates` surrogate-ranked swaps, and all
-    # rounds together evaluate at most `exchange_evaluations` exactly.
-    exchange_rounds: int = 60
-    exchange_candidates: int = 64
-    exchange_evaluations: int = 400
+    # rounds together evaluate at most `exchange_evaluations` exactly. A trial
+    # re-evaluates only its two cells (~0.25 ms at paper scale), so the budget
+    # keeps a paper-scale tree-step step at D = 8 under 1.5 s of planning
+    # (benchmarks/bench_planners.py); a third of it already levels step-wise.
+    exchange_rounds: int = 150
+    exchange_candidates: int = 128
+    exchange_evaluations: int = 1200
     seed: int = 0                       # recorded only: the pass is deterministic
 
     @classmethod
@@ -243,7 +246,7 @@ def _evaluate(model: PrefixCostModel, options: L2Options, consumer_of: np.ndarra
 
 
 def _reevaluate(model: PrefixCostModel, options: L2Options, base: _Eval, consumer_of: np.ndarray,
-                cell_of_consumer: np.ndarray, cap_of_cell: np.ndarray, cells) -> _Eval:
+                cell_of_consumer: np.ndarray, cap_of_cell: np.ndarray, cells, members_changed: bool = True) -> _Eval:
     """`_evaluate` of an assignment that differs from `base`'s only inside `cells`, in time of those cells.
 
     Every quantity of a position depends only on the members of its own
@@ -251,12 +254,17 @@ def _reevaluate(model: PrefixCostModel, options: L2Options, base: _Eval, consume
     positions; so a move or swap confined to `cells` (which must hold every
     consumer it touches, before and after) changes nothing elsewhere, and
     re-evaluating those cells' positions gives exactly `_evaluate`'s result.
+    When no consumer's members changed (a swap of cells), each position's LCP
+    within its consumer is `base`'s.
     """
     K, G = len(cell_of_consumer), len(cap_of_cell)
     cells = np.asarray(cells, dtype=np.int64)
-    positions = np.flatnonzero(np.isin(cell_of_consumer[consumer_of], cells))
-    part = _evaluate_positions(model, options, positions, consumer_of, cell_of_consumer, cap_of_cell, K, G)
-    consumers = np.flatnonzero(np.isin(cell_of_consumer, cells))
+    touched = np.zeros(G, dtype=bool)
+    touched[cells] = True
+    consumers = np.flatnonzero(touched[cell_of_consumer])
+    positions = np.flatnonzero(touched[cell_of_consumer[consumer_of]])
+    part = _evaluate_positions(model, options, positions, consumer_of, cell_of_consumer, cap_of_cell, K, G,
+                               None if members_changed else base.lcp_consumer[positions])
 
     def spliced(old: np.ndarray, new: np.ndarray, index: np.ndarray, take: np.ndarray) -> np.ndarray:
         out = old.copy()
@@ -273,12 +281,14 @@ def _reevaluate(model: PrefixCostModel, options: L2Options, base: _Eval, consume
 
 
 def _evaluate_positions(model: PrefixCostModel, options: L2Options, positions: np.ndarray, consumer_of: np.ndarray,
-                        cell_of_consumer: np.ndarray, cap_of_cell: np.ndarray, K: int, G: int) -> _Eval:
+                        cell_of_consumer: np.ndarray, cap_of_cell: np.ndarray, K: int, G: int,
+                        lcp_consumer: np.ndarray | None = None) -> _Eval:
     """`_evaluate` restricted to sorted `positions`, a union of whole cells.
 
     Per-position fields are aligned with `positions`; consumer and producer
     fields are full-length, exact for the consumers and cells inside and 0
-    elsewhere.
+    elsewhere. `lcp_consumer`, when given, is each position's LCP with the
+    previous member of its consumer, known already.
     """
     n = model.num_trajectories
     m = len(positions)
@@ -287,13 +297,14 @@ def _evaluate_positions(model: PrefixCostModel, options: L2Options, positions: n
     consumer = consumer_of[positions]
     cell = cell_of_consumer[consumer]
 
-    by_consumer = np.lexsort((local, consumer))
-    same = consumer[by_consumer[1:]] == consumer[by_consumer[:-1]]
-    lcp_consumer = np.zeros(m, dtype=np.int64)
-    lcp_consumer[by_consumer[1:]] = np.where(
-        same, model.neighbour_lcp(np.where(same, positions[by_consumer[:-1]], -1), positions[by_consumer[1:]]), 0)
+    if lcp_consumer is None:
+        by_consumer = np.argsort(consumer, kind="stable")   # positions are sorted: ties stay in order
+        same = consumer[by_consumer[1:]] == consumer[by_consumer[:-1]]
+        lcp_consumer = np.zeros(m, dtype=np.int64)
+        lcp_consumer[by_consumer[1:]] = np.where(
+            same, model.neighbour_lcp(np.where(same, positions[by_consumer[:-1]], -1), positions[by_consumer[1:]]), 0)
 
-    by_cell = np.lexsort((local, cell))
+    by_cell = np.argsort(cell, kind="stable")
     cell_sorted = cell[by_cell]
     consumer_sorted = consumer[by_cell]
     global_sorted = positions[by_cell]
@@ -969,7 +980,8 @@ def _trial_score(model: PrefixCostModel, options: L2Options, trial: _Layout, dp:
     """
     consumers = np.asarray(consumers, dtype=np.int64)
     cells = np.union1d(parent.cell_of_consumer[consumers], trial.cell_of_consumer[consumers])
-    ev = _reevaluate(model, options, parent.ev, trial.consumer_of, trial.cell_of_consumer, trial.cap_of_cell, cells)
+    ev = _reevaluate(model, options, parent.ev, trial.consumer_of, trial.cell_of_consumer, trial.cap_of_cell, cells,
+                     members_changed=trial.consumer_of is not parent.consumer_of)
     if not _score(model, options, trial, dp, capacity, allow_caps=False, ev=ev) or trial.key[1] > token_limit:
         return None
     return trial.key[0], _potential(trial)
