@@ -145,7 +145,7 @@ class L2Options:
     # rounds together evaluate at most `exchange_evaluations` exactly. A trial
     # re-evaluates only its two cells (~0.25 ms at paper scale), so the budget
     # keeps a paper-scale tree-step step at D = 8 under 1.5 s of planning
-    # (benchmarks/bench_planners.py); a third of it already levels step-wise.
+    # (benchmarks/bench_planners.py); step-wise stops on its own after ~160.
     exchange_rounds: int = 150
     exchange_candidates: int = 128
     exchange_evaluations: int = 1200
