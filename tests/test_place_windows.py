@@ -208,6 +208,50 @@ def test_reevaluating_the_touched_cells_equals_a_full_evaluation(lists, dp, swap
         np.testing.assert_array_equal(getattr(partial, name), getattr(full, name), err_msg=name)
 
 
+def brute_lcp(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(forests(), st.randoms(use_true_random=False))
+def test_shared_rows_counts_what_another_cell_would_cache(lists, rng):
+    """Each member's rows from its consumer LCP up to its best LCP with the other set, by token comparison."""
+    lists = sorted(lists)
+    lengths, lcp = lengths_and_lcp(lists)
+    model = pw.PrefixCostModel.build(lengths, lcp)
+    side = [rng.randrange(3) for _ in lists]   # 0: member, 1: other set, 2: neither
+    members = np.array([i for i, x in enumerate(side) if x == 0], dtype=np.int64)
+    others = np.array([i for i, x in enumerate(side) if x == 1], dtype=np.int64)
+    expected = 0
+    for index, x in enumerate(members.tolist()):
+        best = max((brute_lcp(lists[x], lists[y]) for y in others.tolist()), default=0)
+        own = brute_lcp(lists[members[index - 1]], lists[x]) if index else 0
+        expected += max(0, min(best, len(lists[x])) - own)
+    assert pw._shared_rows(model, members, others) == expected
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(forests(), st.integers(2, 4), st.booleans(), st.randoms(use_true_random=False))
+def test_rank_columns_give_every_slot_group_one_consumer_per_column(lists, dp, affine, rng):
+    """Consumers grouped D at a time by descending load: each group spans the D columns exactly once."""
+    lists = sorted(lists)
+    lengths, lcp = lengths_and_lcp(lists)
+    model = pw.PrefixCostModel.build(lengths, lcp)
+    slots = max(1, len(lists) // dp)
+    owner = np.array([rng.randrange(dp * slots) for _ in lists])
+    members = [np.flatnonzero(owner == k) for k in range(dp * slots)]
+    loads = np.array([rng.randrange(1, 50) for _ in members], dtype=np.int64)
+    columns = pw._rank_columns(model, members, loads, dp, affine)
+    order = np.argsort(-loads, kind="stable")
+    for j in range(slots):
+        assert sorted(columns[order[j * dp:(j + 1) * dp]].tolist()) == list(range(dp))
+    plain = pw._rank_columns(model, members, loads, dp, False)
+    np.testing.assert_array_equal(columns[order[:dp]], plain[order[:dp]], "the first group is dealt by load alone")
+
+
 def test_exchanges_lower_phi_and_keep_the_placement_valid():
     """A random forest at D = 3 where trading whole consumers between replicas lowers Phi.
 
