@@ -53,6 +53,8 @@ the choices filling the gaps are:
   - "l1-grid": L1's consumers at L1's (replica, slot);
   - "l1-trie-rank": L1's consumers, each slot's consumers given to replicas in
     trie order of their first member (prefix-affine consumers share a replica);
+  - "l1-affine": L1's consumers, each window's re-dealt to cells by load
+    rank with affinity (as "ranked-affine" below, without repacking);
   - both again with every (window, replica) repacked ("... repacked");
   - "repack": a contiguous split of the sorted order into D x W cells whose
     largest is as small as possible (binary search on a per-slot bound, then
@@ -478,8 +480,10 @@ def _key(layout: _Layout, dp: int) -> tuple:
 # --------------------------------------------------------------------------- candidates from L1
 
 
-def _l1_layouts(model, partition: L1Partition, dp: int, window_start: np.ndarray) -> list[_Layout]:
-    """L1's consumers kept intact: at L1's replicas, and ranked by trie order within each slot."""
+def _l1_layouts(model, options: L2Options, partition: L1Partition, dp: int,
+                window_start: np.ndarray) -> list[_Layout]:
+    """L1's consumers kept intact: at L1's replicas, ranked by trie order within each slot, and (within
+    L1's windows) re-dealt by load rank with affinity (`_rank_columns`)."""
     K = partition.num_microbatches
     consumer_of = np.empty(model.num_trajectories, dtype=np.int64)
     for k, members in enumerate(partition.members):
@@ -495,7 +499,13 @@ def _l1_layouts(model, partition: L1Partition, dp: int, window_start: np.ndarray
         in_slot = np.flatnonzero(slot == j)
         column[in_slot[np.argsort(first[in_slot], kind="stable")]] = np.arange(dp)
     ranked = _Layout(f"l1-trie-rank W={W}", consumer_of, window * dp + column, window_start, caps)
-    return [grid, ranked]
+    members = [np.asarray(m, dtype=np.int64) for m in partition.members]
+    loads = np.array([_layout_cost(model, options, m) for m in members], dtype=np.int64)
+    affine = np.empty(K, dtype=np.int64)
+    for w in range(W):
+        ks = np.flatnonzero(window == w)
+        affine[ks] = w * dp + _rank_columns(model, [members[k] for k in ks.tolist()], loads[ks], dp, affine=True)
+    return [grid, ranked, _Layout(f"l1-affine W={W}", consumer_of, affine, window_start, caps)]
 
 
 def _l1_repacked_layouts(model, layouts: list[_Layout], capacity: int) -> list[_Layout]:
@@ -1363,7 +1373,7 @@ def place_windows(trie, partition: L1Partition, *, capacity: int, dp: int,
     candidates: list[_Layout] = []
     for W in _window_counts(J, options):
         window_start = np.concatenate([[0], np.cumsum(_window_sizes(J, W))]).astype(np.int64)
-        l1 = _l1_layouts(model, partition, dp, window_start)
+        l1 = _l1_layouts(model, options, partition, dp, window_start)
         candidates += l1 + _l1_repacked_layouts(model, l1, capacity) + _repack_layouts(
             model, dp, window_start, capacity, options)
     # L2 never runs more decoder rows than L1's consumers would without windows.
