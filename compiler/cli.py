@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from harts.compiler.passes.partition_ffd import SHARD_UNITS
-from harts.compiler.passes.place_windows import DEFAULT_PAIRS_PER_TOKEN
+from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
 from harts.compiler.pipeline import LEVELS, PLANNERS, CompileOptions, compile_batch
 from harts.progress import terminal_progress
 from harts.schema.errors import HartsError

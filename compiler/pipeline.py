@@ -31,10 +31,10 @@ from harts.compiler.passes.lower_plan import (lower_cached_rows, lower_microbatc
 from harts.compiler.passes.partition_ffd import SHARD_UNITS, partition_ffd
 from harts.compiler.passes.partition_microbatches import (L1Options, L1Partition, partition_microbatches,
                                                           verify_partition)
-from harts.compiler.passes.place_windows import (DEFAULT_PAIRS_PER_TOKEN, L2Options, L2Placement, place_windows,
-                                                 verify_placement)
+from harts.compiler.passes.place_windows import L2Options, L2Placement, place_windows, verify_placement
 from harts.compiler.passes.plan_replay import ReplayPlan, plan_replay, with_exports
 from harts.compiler.passes.plan_residual import ResidualPlan, plan_residual, verify_residual
+from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
 from harts.schema.errors import PassFailedError
 from harts.schema.plan import FORMAT, SCHEMA_VERSION, Plan
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from harts.compiler.ir.trajectories import TrajectoryBatch
-from harts.compiler.passes.place_windows import DEFAULT_PAIRS_PER_TOKEN
+from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
 from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.executor.losses import LossConfig
 from harts.executor.runtime import StepResult, run_step

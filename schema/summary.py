@@ -11,12 +11,15 @@ Balance (Section 5.3): eta_sched = (sum r + sum p) / (D (sum_j max_d r[d, j]
 + sum_h max_d p[d, h])). `balance_p5` is the 5th percentile (linear
 interpolation) of mean/max over replicas of every slot and every window's
 producers (computations whose maximum is 0 are skipped); `step_total_balance`
-is mean/max over replicas of each replica's total r + p.
+is mean/max over replicas of each replica's total r + p. `cost_balance` and
+`cost_balance_p5` are the same with r and p in L2's cost model
+(`harts.schema.cost_model`) instead of rows, recounted from the plan's rows.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN, RowCostWeights, row_cost_weights
 from harts.schema.plan import Plan
 
 STATS_KEYS = ("trajectories", "original_tokens", "compact_tokens", "compression", "decoder_tokens",
@@ -53,6 +56,47 @@ def producer_work(plan: Plan) -> np.ndarray:
     return work
 
 
+def computed_cost(entity: dict, weights: RowCostWeights, cached_by=None) -> int:
+    """Forward + backward cost (`harts.schema.cost_model`) of the rows a consumer or producer computes.
+
+    A row is computed unless `cached_by` (aligned with the rows) is >= 0. Each
+    computed row's pairs are its position + 1; its rectangle term is the length
+    of the member that created it (the member whose positions from
+    `member_own_start` on map to new rows). Cached rows of a member are a
+    prefix of its path, so a member creates computed rows at positions
+    [max(own start, cached count), length): counted from the member runs alone.
+    """
+    positions = np.asarray(entity["row_position"], dtype=np.int64)
+    computed = np.ones(len(positions), dtype=bool) if cached_by is None else np.asarray(cached_by) < 0
+    rows = int(np.count_nonzero(computed))
+    pairs = int((positions[computed] + 1).sum())
+    run_start = np.asarray(entity["run_row_start"], dtype=np.int64)
+    run_length = np.asarray(entity["run_length"], dtype=np.int64)
+    offsets = np.asarray(entity["member_run_offsets"], dtype=np.int64)
+    cached_prefix_sum = np.concatenate([[0], np.cumsum(~computed)])
+    run_cached = cached_prefix_sum[run_start + run_length] - cached_prefix_sum[run_start]
+    member_runs = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+    members = len(offsets) - 1
+    length = np.bincount(member_runs, weights=run_length, minlength=members).astype(np.int64)
+    cached = np.bincount(member_runs, weights=run_cached, minlength=members).astype(np.int64)
+    created = length - np.maximum(np.asarray(entity["member_own_start"], dtype=np.int64), cached)
+    rectangle = int((np.maximum(created, 0) * length).sum())
+    return weights.cost(rows, pairs, rectangle)
+
+
+def cost_work(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """`slot_work` and `producer_work` in L2's cost model, with the plan's `pairs_per_token` (default the
+    paper's models for plans that do not record it)."""
+    weights = row_cost_weights(int(plan.flags.get("pairs_per_token", DEFAULT_PAIRS_PER_TOKEN)))
+    work = np.zeros_like(slot_work(plan))
+    for mb in plan.microbatches:
+        work[int(mb["replica"]), int(mb["slot"])] += computed_cost(mb, weights, mb.get("row_cached_by"))
+    producers = np.zeros_like(producer_work(plan))
+    for producer in plan.producers or ():
+        producers[int(producer["replica"]), int(producer["window"])] += computed_cost(producer, weights)
+    return work, producers
+
+
 def balance(work: np.ndarray, producers: np.ndarray | None = None) -> float:
     """The paper's eta_sched: all work over D * (sum of slot maxima + sum of window-producer maxima)."""
     producers = np.zeros((work.shape[0], 0), dtype=np.int64) if producers is None else producers
@@ -83,6 +127,7 @@ def plan_statistics(plan: Plan, planning_seconds: float = 0.0) -> dict:
     producers = producer_work(plan)
     decoder = int(work.sum() + producers.sum())
     l1_compact = int(plan.step.get("l1_compact_tokens", compact))
+    costs = cost_work(plan)
     return {
         "trajectories": int(plan.step["num_trajectories"]),
         "original_tokens": original,
@@ -108,4 +153,7 @@ def plan_statistics(plan: Plan, planning_seconds: float = 0.0) -> dict:
         "decoder_reduction_vs_l1": 1.0 - decoder / l1_compact if l1_compact else 0.0,
         "balance_p5": balance_percentile(work, producers),
         "step_total_balance": step_total_balance(work, producers),
+        # Balance in L2's cost model (forward + backward, attention pairs included), what placement levels.
+        "cost_balance": balance(*costs),
+        "cost_balance_p5": balance_percentile(*costs),
     }

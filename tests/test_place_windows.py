@@ -23,7 +23,7 @@ from harts.compiler.passes.place_windows import L2Options, place_windows, verify
 from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.schema.errors import PassFailedError, VerificationError
 from harts.schema.plan import encode_plan, read_plan, write_plan
-from harts.schema.summary import plan_statistics
+from harts.schema.summary import cost_work, plan_statistics
 from harts.tools.check import check_plan
 
 from prefix_inputs import forests, lengths_and_lcp, unless_dp_refused
@@ -206,6 +206,35 @@ def test_reevaluating_the_touched_cells_equals_a_full_evaluation(lists, dp, swap
     full = pw._evaluate(model, options, moved_consumers, moved_cells, caps, K, G)
     for name in pw._Eval.__slots__:
         np.testing.assert_array_equal(getattr(partial, name), getattr(full, name), err_msg=name)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(forests(), st.integers(1, 3), st.sampled_from([0, 1, 64, 65536]), st.sampled_from(["l1", "l1+l2"]))
+def test_stats_cost_model_recounts_the_costs_placement_balanced(lists, dp, pairs_per_token, levels):
+    """`cost_work` recounts from the lowered plan alone exactly L2's per-consumer and per-producer costs
+    (and, for an L1 plan, each microbatch's complete-layout cost)."""
+    dp = min(dp, len(lists))
+    capacity = max(len(t) for t in lists) + 8
+    batch = TrajectoryBatch.from_token_lists(lists)
+    options = CompileOptions(levels=levels, dp=dp, capacity=capacity, chunk_size=4, pairs_per_token=pairs_per_token)
+    result = unless_dp_refused(lambda: compile_batch(batch, options), dp)
+    if result is None:
+        return
+    work, producers = cost_work(result.plan)
+    l2 = L2Options.for_pairs_per_token(pairs_per_token)
+    if levels == "l1+l2":
+        p = result.placement
+        expected = np.zeros_like(work)
+        expected[p.replica, p.slot] = p.residual_cost
+        np.testing.assert_array_equal(work, expected)
+        np.testing.assert_array_equal(producers, p.producer_cost.reshape(-1, dp).T)
+    else:
+        model = pw.PrefixCostModel.build(result.trie.lengths, result.trie.lcp)
+        expected = np.zeros_like(work)
+        for members, replica, slot in zip(result.partition.members, result.partition.replica, result.partition.slot):
+            expected[replica, slot] = pw._layout_cost(model, l2, np.asarray(members, dtype=np.int64))
+        np.testing.assert_array_equal(work, expected)
+        assert producers.size == 0
 
 
 def brute_lcp(a, b) -> int:

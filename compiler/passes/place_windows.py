@@ -122,11 +122,11 @@ import numpy as np
 
 from harts.compiler.passes.partition_microbatches import L1Partition
 from harts.compiler.prefix_cost import INFEASIBLE, PrefixCostModel, RangeMin
+from harts.schema.cost_model import row_cost_weights
 from harts.schema.errors import PassFailedError, VerificationError
 
 PASS_NAME = "place_windows"
 NO_CAP = np.int64(1) << 40   # a depth cap no trajectory reaches
-DEFAULT_PAIRS_PER_TOKEN = 65536   # alpha_F / beta_F for the paper's models (module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,19 +161,11 @@ class L2Options:
 
     @classmethod
     def for_pairs_per_token(cls, pairs_per_token: int, **fields) -> "L2Options":
-        """Weights for a model whose row costs `pairs_per_token` attention pairs (`hartsc --pairs-per-token`).
-
-        Backward stays twice forward. 0 drops the attention terms: every
-        computed row costs the same, so L2 balances rows, the unit `harts
-        stats` reports balance in.
-        """
-        if pairs_per_token < 0:
-            raise ValueError(f"pairs_per_token must be >= 0, got {pairs_per_token}")
-        if pairs_per_token == 0:
-            return cls(token_cost_forward=1, pair_cost_forward=0, token_cost_backward=2, pair_cost_backward=0,
-                       **fields)
-        return cls(token_cost_forward=pairs_per_token, pair_cost_forward=1,
-                   token_cost_backward=2 * pairs_per_token, pair_cost_backward=2, **fields)
+        """Weights for a model whose row costs `pairs_per_token` attention pairs (`hartsc --pairs-per-token`;
+        `harts.schema.cost_model.row_cost_weights`, which `harts stats` uses too)."""
+        weights = row_cost_weights(pairs_per_token)
+        return cls(token_cost_forward=weights.token_forward, pair_cost_forward=weights.pair_forward,
+                   token_cost_backward=weights.token_backward, pair_cost_backward=weights.pair_backward, **fields)
 
 
 @dataclass(frozen=True, slots=True)
