@@ -905,6 +905,8 @@ def _rank_columns(model: PrefixCostModel, members: list[np.ndarray], loads: np.n
 
     Each group gets one consumer per column; see `_ranked_layout` for how.
     """
+    if len(members) % dp:
+        raise ValueError(f"a window holds D x S consumers, got {len(members)} for D = {dp}")
     order = np.argsort(-loads, kind="stable")
     totals = np.zeros(dp, dtype=np.int64)
     column = np.empty(len(members), dtype=np.int64)
