@@ -1,0 +1,51 @@
+"""`benchmarks/bench_planners.py`, the script issue #4's targets are read from.
+
+Run: `python -m pytest tests/test_bench_planners.py -q` (seconds). Pooling one
+step must reproduce that step's `harts stats`; pooling two must add tokens
+and slots, take the least step-total balance, and print a row per planner.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harts.compiler.pipeline import CompileOptions
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import bench_planners  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def two_steps():
+    options = CompileOptions(dp=2, capacity=32768, levels="l1+l2")
+    return [bench_planners.run(bench_planners.build_batch("small", "treestep", seed=seed), options)
+            for seed in (0, 1)]
+
+
+def test_pooling_one_step_reproduces_its_stats(two_steps):
+    step = two_steps[0]
+    pooled = bench_planners.combine([step])
+    for key in ("original_tokens", "decoder_tokens", "balance", "cost_balance", "balance_p5", "cost_balance_p5",
+                "step_total_balance", "slots", "windows", "planning_seconds"):
+        assert pooled[key] == pytest.approx(step[key]), key
+
+
+def test_pooling_two_steps_sums_tokens_and_takes_the_least_step_total(two_steps):
+    pooled = bench_planners.combine(two_steps)
+    assert pooled["decoder_tokens"] == sum(s["decoder_tokens"] for s in two_steps)
+    assert pooled["slots"] == sum(s["slots"] for s in two_steps)
+    assert pooled["step_total_balance"] == min(s["step_total_balance"] for s in two_steps)
+    assert min(s["balance"] for s in two_steps) <= pooled["balance"] <= max(s["balance"] for s in two_steps)
+    assert pooled["least_decoder"] <= pooled["decoder_tokens"], "no plan beats the bound"
+
+
+def test_script_prints_a_row_per_planner_and_step_count():
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "bench_planners.py"), "--preset", "small", "--dp", "2",
+                          "--kinds", "stepwise", "--steps", "2", "--no-ffd", "--capacity", "32768"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = [line.split() for line in out.splitlines() if line.startswith("stepwise")]
+    assert [row[2] for row in rows] == ["L1", "L1+L2"]
