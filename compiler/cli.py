@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 from harts.compiler.passes.partition_ffd import SHARD_UNITS
-from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
 from harts.compiler.pipeline import LEVELS, PLANNERS, CompileOptions, compile_batch
 from harts.progress import terminal_progress
+from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
 from harts.schema.errors import HartsError
 from harts.schema.atomic import atomic_write_bytes
 from harts.schema.plan import encode_plan

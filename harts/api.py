@@ -22,10 +22,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from harts.compiler.ir.trajectories import TrajectoryBatch
-from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
 from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.executor.losses import LossConfig
 from harts.executor.runtime import StepResult, run_step
+from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
 from harts.schema.plan import Plan, read_plan, write_plan
 
 __all__ = ["compile_trajectories", "run", "read_plan", "write_plan", "Plan", "StepResult", "LossConfig"]
