@@ -247,19 +247,24 @@ def brute_lcp(a, b) -> int:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(forests(), st.randoms(use_true_random=False))
 def test_shared_rows_counts_what_another_cell_would_cache(lists, rng):
-    """Each member's rows from its consumer LCP up to its best LCP with the other set, by token comparison."""
+    """Per (consumer, cell): each member's rows from its consumer LCP up to its best LCP with the cell."""
     lists = sorted(lists)
     lengths, lcp = lengths_and_lcp(lists)
     model = pw.PrefixCostModel.build(lengths, lcp)
-    side = [rng.randrange(3) for _ in lists]   # 0: member, 1: other set, 2: neither
-    members = np.array([i for i, x in enumerate(side) if x == 0], dtype=np.int64)
-    others = np.array([i for i, x in enumerate(side) if x == 1], dtype=np.int64)
-    expected = 0
-    for index, x in enumerate(members.tolist()):
-        best = max((brute_lcp(lists[x], lists[y]) for y in others.tolist()), default=0)
-        own = brute_lcp(lists[members[index - 1]], lists[x]) if index else 0
-        expected += max(0, min(best, len(lists[x])) - own)
-    assert pw._shared_rows(model, members, others) == expected
+    side = [rng.randrange(5) for _ in lists]   # 0, 1: consumers; 2, 3: cells; 4: neither
+    consumers = [np.array([i for i, x in enumerate(side) if x == k], dtype=np.int64) for k in (0, 1)]
+    cells = [np.array([i for i, x in enumerate(side) if x == k], dtype=np.int64) for k in (2, 3)]
+    consumers = [m for m in consumers if len(m)]
+    if not consumers:
+        return
+    expected = np.zeros((len(consumers), len(cells)), dtype=np.int64)
+    for k, members in enumerate(consumers):
+        for c, others in enumerate(cells):
+            for index, x in enumerate(members.tolist()):
+                best = max((brute_lcp(lists[x], lists[y]) for y in others.tolist()), default=0)
+                own = brute_lcp(lists[members[index - 1]], lists[x]) if index else 0
+                expected[k, c] += max(0, min(best, len(lists[x])) - own)
+    np.testing.assert_array_equal(pw._shared_rows(model, consumers, cells), expected)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

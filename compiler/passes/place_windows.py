@@ -915,9 +915,7 @@ def _rank_columns(model: PrefixCostModel, members: list[np.ndarray], loads: np.n
         group = order[j * dp:(j + 1) * dp].tolist()
         if affine and j > 0:
             column_positions = [np.sort(np.concatenate(parts)) for parts in in_column]
-            shared = np.array([[_shared_rows(model, members[k], positions) for positions in column_positions]
-                               for k in group], dtype=np.int64)
-            pairs = _greedy_matching(shared, totals)
+            pairs = _greedy_matching(_shared_rows(model, [members[k] for k in group], column_positions), totals)
         else:
             pairs = zip(range(len(group)), np.argsort(totals, kind="stable").tolist())
         for i, c in pairs:
@@ -928,24 +926,32 @@ def _rank_columns(model: PrefixCostModel, members: list[np.ndarray], loads: np.n
     return column
 
 
-def _shared_rows(model: PrefixCostModel, members: np.ndarray, positions: np.ndarray) -> int:
-    """Rows of a consumer (sorted `members`) that some trajectory at sorted `positions` also has.
+def _shared_rows(model: PrefixCostModel, consumers: list[np.ndarray], cells: list[np.ndarray]) -> np.ndarray:
+    """[consumer, cell]: rows of each consumer (sorted members) that some trajectory of each cell (sorted
+    positions) also has.
 
-    A member's rows below its LCP with the nearest position, less those the
-    consumer already shares with its previous member, would be cached if the
-    two sat in one cell (the estimate `_cost_in_cells` makes, without caps).
+    A member's rows below its LCP with the nearest position of the cell, less
+    those the consumer already shares with its previous member, would be
+    cached if the two sat in one cell (the estimate `_cost_in_cells` makes,
+    without caps).
     """
-    if not len(positions):
-        return 0
     n = model.num_trajectories
-    at = np.searchsorted(positions, members)
-    below = np.where(at > 0, positions[np.maximum(at - 1, 0)], -1)
-    above = np.where(at < len(positions), positions[np.minimum(at, len(positions) - 1)], n)
-    lcp = np.minimum(np.maximum(model.neighbour_lcp(below, members), model.neighbour_lcp(members, above)),
-                     model.lengths[members])
+    members = np.concatenate(consumers)
+    owner = np.repeat(np.arange(len(consumers)), [len(m) for m in consumers])
     own = np.zeros(len(members), dtype=np.int64)
-    own[1:] = model.neighbour_lcp(members[:-1], members[1:])
-    return int(np.maximum(lcp - own, 0).sum())
+    same = owner[1:] == owner[:-1]
+    own[1:] = np.where(same, model.neighbour_lcp(np.where(same, members[:-1], -1), members[1:]), 0)
+    shared = np.zeros((len(consumers), len(cells)), dtype=np.int64)
+    for c, positions in enumerate(cells):
+        if not len(positions):
+            continue
+        at = np.searchsorted(positions, members)
+        below = np.where(at > 0, positions[np.maximum(at - 1, 0)], -1)
+        above = np.where(at < len(positions), positions[np.minimum(at, len(positions) - 1)], n)
+        lcp = np.minimum(np.maximum(model.neighbour_lcp(below, members), model.neighbour_lcp(members, above)),
+                         model.lengths[members])
+        shared[:, c] = np.bincount(owner, weights=np.maximum(lcp - own, 0), minlength=len(consumers))
+    return shared
 
 
 def _greedy_matching(shared: np.ndarray, totals: np.ndarray) -> list[tuple[int, int]]:
