@@ -122,7 +122,8 @@ class CompileResult:
         ] + ([] if self.placement is None else [
             f"place-windows: {self.placement.candidate}; {self.placement.num_windows} windows, "
             f"{self.placement.decoder_tokens} decoder tokens ({int(self.placement.producer_tokens.sum())} in "
-            f"{len(self.producers)} producers), key={self.placement.key} ({secs.get('place-windows', 0):.3f}s)",
+            f"{len(self.producers)} producers), Phi {self.placement.key[0]:.4e}, imbalance {self.placement.key[2]:.2%} "
+            f"({secs.get('place-windows', 0):.3f}s)",
             # The search after choosing a candidate: depth adjustments, refinement, exchanges.
             *(f"place-windows:   {line}" for line in self.placement.decisions
               if not line.startswith(("K=", "candidate "))),

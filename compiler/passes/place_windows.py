@@ -459,6 +459,12 @@ def _grid_costs(layout: _Layout, dp: int):
     return fwd, bwd, pf, pb
 
 
+def _format_key(key: tuple) -> str:
+    """A placement key for people: (Phi, decoder tokens, imbalance, largest replica total)."""
+    phi, tokens, imbalance, replica_total = key
+    return f"Phi {phi:.4e}, {tokens:,} decoder tokens, imbalance {imbalance:.2%}, largest replica {replica_total:.4e}"
+
+
 def _key(layout: _Layout, dp: int) -> tuple:
     fwd, bwd, pf, pb = _grid_costs(layout, dp)
     phi = int(fwd.max(axis=0).sum() + bwd.max(axis=0).sum() + pf.max(axis=0).sum() + pb.max(axis=0).sum())
@@ -1028,7 +1034,7 @@ def _trim(model: PrefixCostModel, options: L2Options, layout: _Layout, dp: int, 
                     layout = trial
                     exported += 1
                     break
-    decisions.append(f"depth adjustments: {exported} nested prefixes exported, key={layout.key}")
+    decisions.append(f"depth adjustments: {exported} nested prefixes exported, {_format_key(layout.key)}")
     return layout
 
 
@@ -1127,7 +1133,7 @@ def _refine(model: PrefixCostModel, options: L2Options, layout: _Layout, dp: int
         layout, potential = best, best_score[1]
         accepted += 1
         stuck.clear()
-    decisions.append(f"refine: {accepted} moves accepted, {evaluations} candidates evaluated, key={layout.key}")
+    decisions.append(f"refine: {accepted} moves accepted, {evaluations} candidates evaluated, {_format_key(layout.key)}")
     return layout
 
 
@@ -1236,7 +1242,7 @@ def _exchange(model: PrefixCostModel, options: L2Options, layout: _Layout, dp: i
             break
         layout, potential = kept
         accepted += 1
-    decisions.append(f"exchanges: {accepted} consumer swaps accepted, {evaluations} evaluated, key={layout.key}")
+    decisions.append(f"exchanges: {accepted} consumer swaps accepted, {evaluations} evaluated, {_format_key(layout.key)}")
     return layout
 
 
@@ -1383,7 +1389,7 @@ def place_windows(trie, partition: L1Partition, *, capacity: int, dp: int,
         if not _score(model, options, layout, dp, capacity):
             decisions.append(f"candidate {layout.name}: infeasible")
             continue
-        decisions.append(f"candidate {layout.name}: key={layout.key}")
+        decisions.append(f"candidate {layout.name}: {_format_key(layout.key)}")
         if layout.key[1] > token_limit:
             decisions.append(f"candidate {layout.name}: dropped, {layout.key[1]} tokens > L1's {token_limit}")
             continue
@@ -1392,7 +1398,7 @@ def place_windows(trie, partition: L1Partition, *, capacity: int, dp: int,
     if best is None:   # the L1 grid always fits; reaching this is a bug
         raise PassFailedError(PASS_NAME, "no candidate placement fits the capacity",
                               "report this plan's input: L1's own grid should always fit")
-    decisions.append(f"selected {best.name} with key={best.key}")
+    decisions.append(f"selected {best.name}: {_format_key(best.key)}")
     best = _trim(model, options, best, dp, capacity, token_limit, decisions)
     best = _refine(model, options, best, dp, capacity, token_limit, decisions)
     best = _exchange(model, options, best, dp, capacity, token_limit, decisions)
