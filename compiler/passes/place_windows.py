@@ -429,10 +429,12 @@ def _largest_cap(model, options, layout: _Layout, cell: int, capacity: int, K: i
     """The deepest sharing cap that keeps one producer within capacity (binary search on depth)."""
     lo, hi = 0, int(model.lengths.max())
     caps = layout.cap_of_cell.copy()
+    # A producer's rows depend on its own cell's positions only.
+    positions = np.flatnonzero(layout.cell_of_consumer[layout.consumer_of] == cell)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         caps[cell] = mid
-        ev = _evaluate(model, options, layout.consumer_of, layout.cell_of_consumer, caps, K, G)
+        ev = _evaluate_positions(model, options, positions, layout.consumer_of, layout.cell_of_consumer, caps, K, G)
         if ev.pro_n[cell] <= capacity:
             lo = mid
         else:
