@@ -237,6 +237,27 @@ def test_stats_cost_model_recounts_the_costs_placement_balanced(lists, dp, pairs
         assert producers.size == 0
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(forests(), st.integers(2, 3), st.integers(0, 40), st.randoms(use_true_random=False))
+def test_largest_cap_is_the_deepest_that_fits(lists, dp, capacity, rng):
+    """The producer cap `_score` sets is the deepest whose producer fits, by trying every depth."""
+    lengths, lcp = lengths_and_lcp(sorted(lists))
+    model = pw.PrefixCostModel.build(lengths, lcp)
+    n = len(lengths)
+    K = min(n, 2 * dp)
+    consumer_of = np.array([k % K for k in range(n)], dtype=np.int64)
+    rng.shuffle(consumer_of)
+    cell_of_consumer = np.arange(K, dtype=np.int64) % dp
+    caps = np.full(dp, pw.NO_CAP, dtype=np.int64)
+    layout = pw._Layout("t", consumer_of, cell_of_consumer, np.array([0, 2]), caps)
+    options = L2Options()
+    cell = rng.randrange(dp)
+    fits = [depth for depth in range(int(lengths.max()) + 1)
+            if pw._evaluate(model, options, consumer_of, cell_of_consumer,
+                            np.where(np.arange(dp) == cell, depth, caps), K, dp).pro_n[cell] <= capacity]
+    assert pw._largest_cap(model, options, layout, cell, capacity, K, dp) == max(fits)
+
+
 def brute_lcp(a, b) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
