@@ -150,16 +150,20 @@ def test_exchange_candidates_match_brute_force(windows, dp, slots_per_window, re
     assert [c for c, _, _ in found] == sorted(c for c, _, _ in found), "best swaps first"
 
 
+def shuffled_consumers(lists, dp: int, rng):
+    """A random forest's sorted lengths, its cost model, and K = min(N, 2D) consumers dealt round-robin, shuffled."""
+    lengths, lcp = lengths_and_lcp(sorted(lists))
+    K = min(len(lengths), 2 * dp)
+    consumer_of = np.array([k % K for k in range(len(lengths))], dtype=np.int64)
+    rng.shuffle(consumer_of)
+    return lengths, pw.PrefixCostModel.build(lengths, lcp), K, consumer_of
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(forests(), st.integers(2, 3), st.randoms(use_true_random=False))
 def test_cost_in_cells_counts_a_moved_consumers_rows_exactly(lists, dp, rng):
     """A consumer moved alone to another cell of its window computes exactly the rows the estimate counts."""
-    lengths, lcp = lengths_and_lcp(sorted(lists))
-    model = pw.PrefixCostModel.build(lengths, lcp)
-    n = len(lengths)
-    K = min(n, 2 * dp)
-    consumer_of = np.array([k % K for k in range(n)], dtype=np.int64)
-    rng.shuffle(consumer_of)
+    lengths, model, K, consumer_of = shuffled_consumers(lists, dp, rng)
     cell_of_consumer = np.arange(K, dtype=np.int64) % dp
     options = L2Options()
     caps = np.full(dp, pw.NO_CAP, dtype=np.int64)
@@ -183,13 +187,8 @@ def test_cost_in_cells_counts_a_moved_consumers_rows_exactly(lists, dp, rng):
 @given(forests(), st.integers(2, 3), st.booleans(), st.randoms(use_true_random=False))
 def test_reevaluating_the_touched_cells_equals_a_full_evaluation(lists, dp, swap, rng):
     """A move or swap confined to two cells, re-evaluated on those cells only, matches `_evaluate` field by field."""
-    lengths, lcp = lengths_and_lcp(sorted(lists))
-    model = pw.PrefixCostModel.build(lengths, lcp)
-    n = len(lengths)
-    K = min(n, 2 * dp)
+    lengths, model, K, consumer_of = shuffled_consumers(lists, dp, rng)
     G = 2 * dp   # two windows of D cells
-    consumer_of = np.array([k % K for k in range(n)], dtype=np.int64)
-    rng.shuffle(consumer_of)
     cell_of_consumer = np.array([rng.randrange(G) for _ in range(K)], dtype=np.int64)
     caps = np.array([rng.choice([pw.NO_CAP, rng.randrange(1, 8)]) for _ in range(G)], dtype=np.int64)
     options = L2Options()
@@ -241,12 +240,7 @@ def test_stats_cost_model_recounts_the_costs_placement_balanced(lists, dp, pairs
 @given(forests(), st.integers(2, 3), st.integers(0, 40), st.randoms(use_true_random=False))
 def test_largest_cap_is_the_deepest_that_fits(lists, dp, capacity, rng):
     """The producer cap `_score` sets is the deepest whose producer fits, by trying every depth."""
-    lengths, lcp = lengths_and_lcp(sorted(lists))
-    model = pw.PrefixCostModel.build(lengths, lcp)
-    n = len(lengths)
-    K = min(n, 2 * dp)
-    consumer_of = np.array([k % K for k in range(n)], dtype=np.int64)
-    rng.shuffle(consumer_of)
+    lengths, model, K, consumer_of = shuffled_consumers(lists, dp, rng)
     cell_of_consumer = np.arange(K, dtype=np.int64) % dp
     caps = np.full(dp, pw.NO_CAP, dtype=np.int64)
     layout = pw._Layout("t", consumer_of, cell_of_consumer, np.array([0, 2]), caps)
