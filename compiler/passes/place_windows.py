@@ -895,9 +895,8 @@ def _ranked_layout(model, options: L2Options, starts: np.ndarray, window_slots: 
         packed = _pack_units(model, units, count, capacity)
         if packed is None:
             return None
-        loads = np.array([_layout_cost(model, options, np.asarray(members, dtype=np.int64)) for members in packed],
-                         dtype=np.int64)
         members = [np.asarray(m, dtype=np.int64) for m in packed]
+        loads = np.array([_layout_cost(model, options, m) for m in members], dtype=np.int64)
         columns = _rank_columns(model, members, loads, dp, affine)
         for k in np.argsort(-loads, kind="stable").tolist():   # consumers numbered by rank
             consumer_of[members[k]] = len(cell_of_consumer)
