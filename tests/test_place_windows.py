@@ -18,8 +18,10 @@ from hypothesis import strategies as st
 
 from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.passes.partition_microbatches import partition_microbatches
-from harts.compiler.passes import place_windows as pw
 from harts.compiler.passes.place_windows import L2Options, place_windows, verify_placement
+from harts.compiler.placement import candidates, exchange, scoring
+from harts.compiler.placement.evaluation import NO_CAP, Evaluation, evaluate, reevaluate
+from harts.compiler.prefix_cost import PrefixCostModel
 from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.schema.errors import PassFailedError, VerificationError
 from harts.schema.plan import encode_plan, read_plan, write_plan
@@ -125,7 +127,7 @@ def test_exchange_candidates_match_brute_force(windows, dp, slots_per_window, re
     cost = np.array([rng.randint(0, 9) for _ in range(K)], dtype=np.int64)
     in_cell = np.array([[rng.randint(0, 9) for _ in range(G)] for _ in range(K)], dtype=np.int64)
     in_cell[np.arange(K), cell_of_consumer] = cost
-    layout = pw._Layout("t", np.zeros(1, dtype=np.int64), cell_of_consumer, window_start, np.zeros(G))
+    layout = scoring.Layout("t", np.zeros(1, dtype=np.int64), cell_of_consumer, window_start, np.zeros(G))
 
     def window_phi(cells, costs, w):
         ranked = [np.sort(costs[cells == g])[::-1] for g in range(w * dp, (w + 1) * dp)]
@@ -145,7 +147,7 @@ def test_exchange_candidates_match_brute_force(windows, dp, slots_per_window, re
             change = window_phi(cells, costs, w) - window_phi(cell_of_consumer, cost, w)
             if change < 0:
                 expected.append((change, x, y))
-    found = pw._exchange_candidates(layout, cost, dp, in_cell if re_estimated else None)
+    found = exchange._exchange_candidates(layout, cost, dp, in_cell if re_estimated else None)
     assert sorted(found) == sorted(expected)
     assert [c for c, _, _ in found] == sorted(c for c, _, _ in found), "best swaps first"
 
@@ -156,7 +158,7 @@ def shuffled_consumers(lists, dp: int, rng):
     K = min(len(lengths), 2 * dp)
     consumer_of = np.array([k % K for k in range(len(lengths))], dtype=np.int64)
     rng.shuffle(consumer_of)
-    return lengths, pw.PrefixCostModel.build(lengths, lcp), K, consumer_of
+    return lengths, PrefixCostModel.build(lengths, lcp), K, consumer_of
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -166,11 +168,11 @@ def test_cost_in_cells_counts_a_moved_consumers_rows_exactly(lists, dp, rng):
     lengths, model, K, consumer_of = shuffled_consumers(lists, dp, rng)
     cell_of_consumer = np.arange(K, dtype=np.int64) % dp
     options = L2Options()
-    caps = np.full(dp, pw.NO_CAP, dtype=np.int64)
-    ev = pw._evaluate(model, options, consumer_of, cell_of_consumer, caps, K, dp)
+    caps = np.full(dp, NO_CAP, dtype=np.int64)
+    ev = evaluate(model, options, consumer_of, cell_of_consumer, caps, K, dp)
     cost = ev.res_f + ev.res_b
-    layout = pw._Layout("t", consumer_of, cell_of_consumer, np.array([0, 2]), caps)
-    estimate = pw._cost_in_cells(model, layout, ev, cost, dp)
+    layout = scoring.Layout("t", consumer_of, cell_of_consumer, np.array([0, 2]), caps)
+    estimate = exchange._cost_in_cells(model, layout, ev, cost, dp)
     per_row = cost / np.maximum(ev.res_n, 1)
     for k in range(K):
         for g in range(dp):
@@ -179,20 +181,20 @@ def test_cost_in_cells_counts_a_moved_consumers_rows_exactly(lists, dp, rng):
                 continue
             moved = cell_of_consumer.copy()
             moved[k] = g
-            exact = pw._evaluate(model, options, consumer_of, moved, caps, K, dp)
+            exact = evaluate(model, options, consumer_of, moved, caps, K, dp)
             assert estimate[k, g] == pytest.approx(exact.res_n[k] * per_row[k])
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(forests(), st.integers(2, 3), st.booleans(), st.randoms(use_true_random=False))
 def test_reevaluating_the_touched_cells_equals_a_full_evaluation(lists, dp, swap, rng):
-    """A move or swap confined to two cells, re-evaluated on those cells only, matches `_evaluate` field by field."""
+    """A move or swap confined to two cells, re-evaluated on those cells only, matches `evaluate` field by field."""
     lengths, model, K, consumer_of = shuffled_consumers(lists, dp, rng)
     G = 2 * dp   # two windows of D cells
     cell_of_consumer = np.array([rng.randrange(G) for _ in range(K)], dtype=np.int64)
-    caps = np.array([rng.choice([pw.NO_CAP, rng.randrange(1, 8)]) for _ in range(G)], dtype=np.int64)
+    caps = np.array([rng.choice([NO_CAP, rng.randrange(1, 8)]) for _ in range(G)], dtype=np.int64)
     options = L2Options()
-    base = pw._evaluate(model, options, consumer_of, cell_of_consumer, caps, K, G)
+    base = evaluate(model, options, consumer_of, cell_of_consumer, caps, K, G)
     a, b = rng.randrange(K), rng.randrange(K)
     moved_consumers, moved_cells = consumer_of.copy(), cell_of_consumer.copy()
     if swap:
@@ -201,9 +203,9 @@ def test_reevaluating_the_touched_cells_equals_a_full_evaluation(lists, dp, swap
         members = np.flatnonzero(consumer_of == a)
         moved_consumers[members[: rng.randrange(len(members) + 1)]] = b
     cells = np.union1d(cell_of_consumer[[a, b]], moved_cells[[a, b]])
-    partial = pw._reevaluate(model, options, base, moved_consumers, moved_cells, caps, cells, members_changed=not swap)
-    full = pw._evaluate(model, options, moved_consumers, moved_cells, caps, K, G)
-    for name in pw._Eval.__slots__:
+    partial = reevaluate(model, options, base, moved_consumers, moved_cells, caps, cells, members_changed=not swap)
+    full = evaluate(model, options, moved_consumers, moved_cells, caps, K, G)
+    for name in Evaluation.__slots__:
         np.testing.assert_array_equal(getattr(partial, name), getattr(full, name), err_msg=name)
 
 
@@ -228,10 +230,10 @@ def test_stats_cost_model_recounts_the_costs_placement_balanced(lists, dp, pairs
         np.testing.assert_array_equal(work, expected)
         np.testing.assert_array_equal(producers, p.producer_cost.reshape(-1, dp).T)
     else:
-        model = pw.PrefixCostModel.build(result.trie.lengths, result.trie.lcp)
+        model = PrefixCostModel.build(result.trie.lengths, result.trie.lcp)
         expected = np.zeros_like(work)
         for members, replica, slot in zip(result.partition.members, result.partition.replica, result.partition.slot):
-            expected[replica, slot] = pw._layout_cost(model, l2, np.asarray(members, dtype=np.int64))
+            expected[replica, slot] = candidates._layout_cost(model, l2, np.asarray(members, dtype=np.int64))
         np.testing.assert_array_equal(work, expected)
         assert producers.size == 0
 
@@ -239,17 +241,17 @@ def test_stats_cost_model_recounts_the_costs_placement_balanced(lists, dp, pairs
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(forests(), st.integers(2, 3), st.integers(0, 40), st.randoms(use_true_random=False))
 def test_largest_cap_is_the_deepest_that_fits(lists, dp, capacity, rng):
-    """The producer cap `_score` sets is the deepest whose producer fits, by trying every depth."""
+    """The producer cap `score_layout` sets is the deepest whose producer fits, by trying every depth."""
     lengths, model, K, consumer_of = shuffled_consumers(lists, dp, rng)
     cell_of_consumer = np.arange(K, dtype=np.int64) % dp
-    caps = np.full(dp, pw.NO_CAP, dtype=np.int64)
-    layout = pw._Layout("t", consumer_of, cell_of_consumer, np.array([0, 2]), caps)
+    caps = np.full(dp, NO_CAP, dtype=np.int64)
+    layout = scoring.Layout("t", consumer_of, cell_of_consumer, np.array([0, 2]), caps)
     options = L2Options()
     cell = rng.randrange(dp)
     fits = [depth for depth in range(int(lengths.max()) + 1)
-            if pw._evaluate(model, options, consumer_of, cell_of_consumer,
+            if evaluate(model, options, consumer_of, cell_of_consumer,
                             np.where(np.arange(dp) == cell, depth, caps), K, dp).pro_n[cell] <= capacity]
-    assert pw._largest_cap(model, options, layout, cell, capacity, K, dp) == max(fits)
+    assert scoring._largest_cap(model, options, layout, cell, capacity, K, dp) == max(fits)
 
 
 def brute_lcp(a, b) -> int:
@@ -265,7 +267,7 @@ def test_shared_rows_counts_what_another_cell_would_cache(lists, rng):
     """Per (consumer, cell): each member's rows from its consumer LCP up to its best LCP with the cell."""
     lists = sorted(lists)
     lengths, lcp = lengths_and_lcp(lists)
-    model = pw.PrefixCostModel.build(lengths, lcp)
+    model = PrefixCostModel.build(lengths, lcp)
     side = [rng.randrange(5) for _ in lists]   # 0, 1: consumers; 2, 3: cells; 4: neither
     consumers = [np.array([i for i, x in enumerate(side) if x == k], dtype=np.int64) for k in (0, 1)]
     cells = [np.array([i for i, x in enumerate(side) if x == k], dtype=np.int64) for k in (2, 3)]
@@ -279,7 +281,7 @@ def test_shared_rows_counts_what_another_cell_would_cache(lists, rng):
                 best = max((brute_lcp(lists[x], lists[y]) for y in others.tolist()), default=0)
                 own = brute_lcp(lists[members[index - 1]], lists[x]) if index else 0
                 expected[k, c] += max(0, min(best, len(lists[x])) - own)
-    np.testing.assert_array_equal(pw._shared_rows(model, consumers, cells), expected)
+    np.testing.assert_array_equal(candidates._shared_rows(model, consumers, cells), expected)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -288,16 +290,16 @@ def test_rank_columns_give_every_slot_group_one_consumer_per_column(lists, dp, a
     """Consumers grouped D at a time by descending load: each group spans the D columns exactly once."""
     lists = sorted(lists)
     lengths, lcp = lengths_and_lcp(lists)
-    model = pw.PrefixCostModel.build(lengths, lcp)
+    model = PrefixCostModel.build(lengths, lcp)
     slots = max(1, len(lists) // dp)
     owner = np.array([rng.randrange(dp * slots) for _ in lists])
     members = [np.flatnonzero(owner == k) for k in range(dp * slots)]
     loads = np.array([rng.randrange(1, 50) for _ in members], dtype=np.int64)
-    columns = pw._rank_columns(model, members, loads, dp, affine)
+    columns = candidates._rank_columns(model, members, loads, dp, affine)
     order = np.argsort(-loads, kind="stable")
     for j in range(slots):
         assert sorted(columns[order[j * dp:(j + 1) * dp]].tolist()) == list(range(dp))
-    plain = pw._rank_columns(model, members, loads, dp, False)
+    plain = candidates._rank_columns(model, members, loads, dp, False)
     np.testing.assert_array_equal(columns[order[:dp]], plain[order[:dp]], "the first group is dealt by load alone")
 
 

@@ -1,0 +1,157 @@
+"""Exact rows and costs of one L2 assignment (consumers to cells), in numpy.
+
+Invariant relied on by the search: every per-position quantity depends only
+on the members of the position's own consumer and cell, and every consumer's
+or producer's cost only on its own positions. So a move or swap confined to a
+few cells is re-evaluated exactly from those cells alone (`reevaluate`).
+
+Legend: N sorted positions, K consumers, G cells (window x replica column).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from harts.compiler.placement.options import L2Options
+from harts.compiler.prefix_cost import PrefixCostModel
+
+NO_CAP = np.int64(1) << 40   # a depth cap no trajectory reaches
+
+
+@dataclass(slots=True)
+class Evaluation:
+    """Exact rows and costs of one assignment (see `evaluate`)."""
+
+    cached: np.ndarray     # int64[N]: cached prefix of each position
+    lcp_consumer: np.ndarray  # int64[N]: LCP with the previous member of the same consumer (0 for the first)
+    lcp_cell: np.ndarray   # int64[N]: LCP with the previous position of the same cell (0 for the first)
+    full: np.ndarray       # int64[K]: complete layout size of each consumer
+    res_n: np.ndarray      # int64[K]
+    res_f: np.ndarray      # int64[K]: residual forward cost
+    res_b: np.ndarray      # int64[K]
+    pro_n: np.ndarray      # int64[G]
+    pro_f: np.ndarray      # int64[G]
+    pro_b: np.ndarray      # int64[G]
+
+
+def evaluate(model: PrefixCostModel, options: L2Options, consumer_of: np.ndarray, cell_of_consumer: np.ndarray,
+             cap_of_cell: np.ndarray, K: int, G: int) -> Evaluation:
+    """Rows and costs of every consumer and producer, exactly, in O(N log N) numpy.
+
+    A row of x at depth i is cached when another consumer of x's cell shares it
+    (LCP(x, y) > i for some y there) and i < the cell's cap. The largest LCP of
+    x with another consumer's member is reached at the nearest such member
+    below or above x in sorted order, which the run structure of the cell-
+    sorted sequence gives directly. Consumer residual rows of x: depths
+    [max(lcp in consumer, cached), len); producer rows first created by x:
+    depths [lcp in cell, max(lcp in cell, cached)).
+    """
+    positions = np.arange(model.num_trajectories, dtype=np.int64)
+    return evaluate_positions(model, options, positions, consumer_of, cell_of_consumer, cap_of_cell, K, G)
+
+
+def reevaluate(model: PrefixCostModel, options: L2Options, base: Evaluation, consumer_of: np.ndarray,
+               cell_of_consumer: np.ndarray, cap_of_cell: np.ndarray, cells,
+               members_changed: bool = True) -> Evaluation:
+    """`evaluate` of an assignment that differs from `base`'s only inside `cells`, in time of those cells.
+
+    Every quantity of a position depends only on the members of its own
+    consumer and cell, and a consumer's or producer's costs only on its
+    positions; so a move or swap confined to `cells` (which must hold every
+    consumer it touches, before and after) changes nothing elsewhere, and
+    re-evaluating those cells' positions gives exactly `evaluate`'s result.
+    When no consumer's members changed (a swap of cells), each position's LCP
+    within its consumer is `base`'s.
+    """
+    K, G = len(cell_of_consumer), len(cap_of_cell)
+    cells = np.asarray(cells, dtype=np.int64)
+    touched = np.zeros(G, dtype=bool)
+    touched[cells] = True
+    consumers = np.flatnonzero(touched[cell_of_consumer])
+    positions = np.flatnonzero(touched[cell_of_consumer[consumer_of]])
+    part = evaluate_positions(model, options, positions, consumer_of, cell_of_consumer, cap_of_cell, K, G,
+                              None if members_changed else base.lcp_consumer[positions])
+
+    def spliced(old: np.ndarray, new: np.ndarray, index: np.ndarray, take: np.ndarray) -> np.ndarray:
+        out = old.copy()
+        out[index] = new[take]
+        return out
+
+    local = np.arange(len(positions))
+    return Evaluation(*(spliced(getattr(base, name), getattr(part, name), positions, local)
+                   for name in ("cached", "lcp_consumer", "lcp_cell")),
+                 *(spliced(getattr(base, name), getattr(part, name), consumers, consumers)
+                   for name in ("full", "res_n", "res_f", "res_b")),
+                 *(spliced(getattr(base, name), getattr(part, name), cells, cells)
+                   for name in ("pro_n", "pro_f", "pro_b")))
+
+
+def evaluate_positions(model: PrefixCostModel, options: L2Options, positions: np.ndarray, consumer_of: np.ndarray,
+                       cell_of_consumer: np.ndarray, cap_of_cell: np.ndarray, K: int, G: int,
+                        lcp_consumer: np.ndarray | None = None) -> Evaluation:
+    """`evaluate` restricted to sorted `positions`, a union of whole cells.
+
+    Per-position fields are aligned with `positions`; consumer and producer
+    fields are full-length, exact for the consumers and cells inside and 0
+    elsewhere. `lcp_consumer`, when given, is each position's LCP with the
+    previous member of its consumer, known already.
+    """
+    n = model.num_trajectories
+    m = len(positions)
+    lengths = model.lengths[positions]
+    local = np.arange(m, dtype=np.int64)
+    consumer = consumer_of[positions]
+    cell = cell_of_consumer[consumer]
+
+    if lcp_consumer is None:
+        by_consumer = np.argsort(consumer, kind="stable")   # positions are sorted: ties stay in order
+        same = consumer[by_consumer[1:]] == consumer[by_consumer[:-1]]
+        lcp_consumer = np.zeros(m, dtype=np.int64)
+        lcp_consumer[by_consumer[1:]] = np.where(
+            same, model.neighbour_lcp(np.where(same, positions[by_consumer[:-1]], -1), positions[by_consumer[1:]]), 0)
+
+    by_cell = np.argsort(cell, kind="stable")
+    cell_sorted = cell[by_cell]
+    consumer_sorted = consumer[by_cell]
+    global_sorted = positions[by_cell]
+    same_cell = cell_sorted[1:] == cell_sorted[:-1]
+    lcp_cell = np.zeros(m, dtype=np.int64)
+    lcp_cell[by_cell[1:]] = np.where(
+        same_cell, model.neighbour_lcp(np.where(same_cell, global_sorted[:-1], -1), global_sorted[1:]), 0)
+    # Runs of one consumer inside the cell-sorted sequence; the nearest member
+    # of another consumer is just outside the run.
+    new_run = np.ones(m, dtype=bool)
+    new_run[1:] = ~same_cell | (consumer_sorted[1:] != consumer_sorted[:-1])
+    run_start = np.maximum.accumulate(np.where(new_run, local, 0))
+    run_last = np.ones(m, dtype=bool)
+    run_last[:-1] = new_run[1:]
+    run_end = np.minimum.accumulate(np.where(run_last, local, m)[::-1])[::-1]
+    before = run_start - 1
+    before_ok = (before >= 0) & (cell_sorted[np.maximum(before, 0)] == cell_sorted)
+    after = run_end + 1
+    after_ok = (after < m) & (cell_sorted[np.minimum(after, m - 1)] == cell_sorted)
+    below = model.neighbour_lcp(np.where(before_ok, global_sorted[np.maximum(before, 0)], -1), global_sorted)
+    above = model.neighbour_lcp(global_sorted, np.where(after_ok, global_sorted[np.minimum(after, m - 1)], n))
+    other = np.zeros(m, dtype=np.int64)
+    other[by_cell] = np.maximum(below, above)
+    cached = np.minimum(np.minimum(other, lengths), cap_of_cell[cell])
+
+    # Consumer residual run of each position: [start, lengths).
+    start = np.maximum(lcp_consumer, cached)
+    q = lengths - start
+    tf, pf, tb, pb = (options.token_cost_forward, options.pair_cost_forward,
+                      options.token_cost_backward, options.pair_cost_backward)
+    pairs = q * start + q * (q + 1) // 2
+    rect = q * lengths
+    res_n = np.bincount(consumer, weights=q, minlength=K).astype(np.int64)
+    res_f = tf * res_n + pf * np.bincount(consumer, weights=pairs, minlength=K).astype(np.int64)
+    res_b = tb * res_n + pb * np.bincount(consumer, weights=rect, minlength=K).astype(np.int64)
+    full = np.bincount(consumer, weights=lengths - lcp_consumer, minlength=K).astype(np.int64)
+
+    top = np.maximum(cached, lcp_cell)
+    pq = top - lcp_cell
+    pro_n = np.bincount(cell, weights=pq, minlength=G).astype(np.int64)
+    pro_f = tf * pro_n + pf * np.bincount(cell, weights=pq * lcp_cell + pq * (pq + 1) // 2, minlength=G).astype(np.int64)
+    pro_b = tb * pro_n + pb * np.bincount(cell, weights=pq * top, minlength=G).astype(np.int64)
+    return Evaluation(cached, lcp_consumer, lcp_cell, full, res_n, res_f, res_b, pro_n, pro_f, pro_b)

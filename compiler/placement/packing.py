@@ -1,0 +1,212 @@
+"""Repacking a cell's trajectories into its consumers from intact subtrees (Appendix A.2).
+
+Units are the cell's subtrees, cut at their shallowest fork only while their
+complete layout exceeds a bound; they go, largest own rows first, to the
+least-loaded consumer whose complete layout still fits them, with exact LCP
+costs. Invariant of every packing returned: each consumer is non-empty and
+its complete layout fits the capacity.
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from harts.compiler.placement.scoring import Layout
+from harts.compiler.prefix_cost import PrefixCostModel, RangeMin
+
+
+class Cell:
+    """Sorted positions of one cell (any subset of the step, ascending) and its subtree runs.
+
+    Runs are local index ranges [i, j] of `positions`. A run's own rows are
+    the rows of its trie that no position of the cell outside it shares:
+    C(run) - |path(i)[:lcp_i] u path(j)[:lcp_{j+1}]| with the LCPs to its
+    neighbours in the cell (0 at the cell's edges).
+    """
+
+    def __init__(self, model: PrefixCostModel, positions: np.ndarray):
+        self.positions = np.asarray(positions, dtype=np.int64)
+        m = len(self.positions)
+        self.lengths = model.lengths[self.positions]
+        self.lcp = np.zeros(m + 1, dtype=np.int64)   # lcp[i]: with the previous position; lcp[m] = 0
+        if m > 1:
+            self.lcp[1:m] = model.neighbour_lcp(self.positions[:-1], self.positions[1:])
+        self.prefix = np.zeros(m + 1, dtype=np.int64)
+        np.cumsum(self.lengths - self.lcp[:m], out=self.prefix[1:])
+        self.lcp_min = RangeMin.build(self.lcp[:m]) if m else None
+
+    def _interior(self, i: int, j: int) -> int:
+        return int(self.lcp_min.min(i + 1, j)) if j > i else int(self.lengths[i])
+
+    def cost(self, i: int, j: int) -> int:
+        """C of the run alone: the size of its own trie."""
+        return int(self.lengths[i] + self.prefix[j + 1] - self.prefix[i + 1])
+
+    def own(self, i: int, j: int) -> int:
+        left, right = int(self.lcp[i]), int(self.lcp[j + 1])
+        return self.cost(i, j) - (left + right - min(left, right, self._interior(i, j)))
+
+    def children(self, i: int, j: int) -> list[tuple[int, int]]:
+        """Cut a run at its shallowest divergence: sibling subtrees part, a prefix parts from its extensions."""
+        interior = self._interior(i, j)
+        cuts = (i + 1 + np.flatnonzero(self.lcp[i + 1:j + 1] == interior)).tolist()
+        bounds = [i] + cuts + [j + 1]
+        return [(a, b - 1) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def units(self, unit_cost: int) -> list[tuple[int, np.ndarray, int]]:
+        """Intact subtrees (own rows, positions, C), cut while C > unit_cost; descending own, ties by position."""
+        out = []
+        stack = [(0, len(self.positions) - 1)] if len(self.positions) else []
+        while stack:
+            i, j = stack.pop()
+            cost = self.cost(i, j)
+            if i == j or cost <= unit_cost:
+                out.append((self.own(i, j), self.positions[i:j + 1], cost))
+            else:
+                stack.extend(reversed(self.children(i, j)))
+        out.sort(key=lambda u: (-u[0], int(u[1][0])))
+        return out
+
+
+class _Consumers:
+    """Members of a cell's consumers during packing, with exact complete-layout sizes."""
+
+    def __init__(self, model: PrefixCostModel, count: int):
+        self.model = model
+        self.members: list[list[int]] = [[] for _ in range(count)]
+        self.full = np.zeros(count, dtype=np.int64)
+        self.load = np.zeros(count, dtype=np.int64)
+
+    def growth(self, positions: np.ndarray, run_cost: int, which=None) -> np.ndarray:
+        """Exact C increase of adding a run (consecutive in its cell, so no member lies inside it)
+        to each consumer, or to the consumers listed in `which`."""
+        model = self.model
+        n = model.num_trajectories
+        first, last = int(positions[0]), int(positions[-1])
+        chosen = range(len(self.members)) if which is None else which
+        below = np.empty(len(chosen), dtype=np.int64)
+        above = np.empty(len(chosen), dtype=np.int64)
+        for k, members in enumerate(self.members[c] for c in chosen):
+            at = bisect.bisect_left(members, first)
+            below[k] = members[at - 1] if at > 0 else -1
+            above[k] = members[at] if at < len(members) else n
+        left = model.neighbour_lcp(below, np.full_like(below, first))
+        right = model.neighbour_lcp(np.full_like(above, last), above)
+        joined = model.neighbour_lcp(below, above)
+        return run_cost - left - right + joined
+
+    def add(self, k: int, positions: np.ndarray, growth: int, own: int) -> None:
+        members = self.members[k]
+        at = bisect.bisect_left(members, int(positions[0]))
+        members[at:at] = positions.tolist()
+        self.full[k] += growth
+        self.load[k] += own
+
+
+def pack_units(model: PrefixCostModel, units: list, count: int, capacity: int) -> list[list[int]] | None:
+    """Longest processing time first: each unit to the least-loaded consumer whose complete layout fits it.
+
+    Capacity uses exact LCP costs against the consumer's current members.
+    When that fails (subtrees of one large tree each carry its trunk), the
+    cell is packed again charging each consumer its load plus the prefix rows
+    the unit would duplicate there, and failing that, to the fitting consumer
+    it shares most with (least growth), then least load. None when nothing
+    fits or a consumer would stay empty.
+    """
+    for rule in ("balance", "blend", "shared"):
+        members = _pack_units_once(model, units, count, capacity, rule)
+        if members is not None:
+            return members
+    return None
+
+
+def _pack_units_once(model, units, count: int, capacity: int, rule: str) -> list[list[int]] | None:
+    """One LPT pass, then a leveling repair; `rule` orders the fitting consumers: least load
+    ("balance"), least load plus duplicated prefix rows ("blend"), or least growth then load ("shared")."""
+    consumers = _Consumers(model, count)
+    placed: list[list[tuple]] = [[] for _ in range(count)]
+    index = np.arange(count)
+    for unit in units:
+        own, positions, cost = unit
+        growth = consumers.growth(positions, cost)
+        fits = consumers.full + growth <= capacity
+        if not fits.any():
+            return None
+        if own == 0 or rule == "shared":
+            # A unit no residual row comes with (a duplicate or prefix of another unit's
+            # trajectory) costs only capacity: put it where it grows the layout least.
+            order = np.lexsort((index, consumers.load, growth))
+        elif rule == "balance":
+            order = np.lexsort((index, growth, consumers.load))
+        else:
+            order = np.lexsort((index, growth, consumers.load + growth - own))
+        k = int(order[np.argmax(fits[order])])
+        consumers.add(k, positions, int(growth[k]), own)
+        placed[k].append(unit)
+    _level(model, consumers, placed, capacity)
+    for k in range(count):
+        while not consumers.members[k]:
+            donor = int(np.argmax([len(m) for m in consumers.members]))
+            if len(consumers.members[donor]) < 2:
+                return None
+            consumers.members[k].append(consumers.members[donor].pop(0))
+    return consumers.members
+
+
+def _level(model, consumers: _Consumers, placed: list[list[tuple]], capacity: int) -> None:
+    """Repair an LPT result: move whole units from the heaviest consumers to the lightest while that
+    lowers the larger of the two loads and both complete layouts fit (at most 2 x count moves)."""
+    count = len(placed)
+    for _ in range(2 * count):
+        light = int(np.argmin(consumers.load))
+        moved = False
+        for heavy in np.argsort(-consumers.load, kind="stable")[:10].tolist():
+            gap = int(consumers.load[heavy] - consumers.load[light])
+            options = sorted((max(int(consumers.load[heavy]) - u[0], int(consumers.load[light]) + u[0]), i)
+                             for i, u in enumerate(placed[heavy]) if 0 < u[0] < gap)
+            for _, i in options[:3]:
+                own, positions, cost = placed[heavy][i]
+                growth = int(consumers.growth(positions, cost, [light])[0])
+                if consumers.full[light] + growth > capacity:
+                    continue
+                remaining = sorted(set(consumers.members[heavy]) - set(positions.tolist()))
+                if not remaining:
+                    continue
+                consumers.members[heavy] = remaining
+                consumers.full[heavy] = model.cost(np.asarray(remaining, dtype=np.int64))
+                consumers.load[heavy] -= own
+                consumers.add(light, positions, growth, own)
+                placed[light].append(placed[heavy].pop(i))
+                moved = True
+                break
+            if moved:
+                break
+        if not moved:
+            return
+
+
+def repack_cells(model: PrefixCostModel, layout: Layout, capacity: int, unit_cost: int, name: str,
+                 keep_failed: bool) -> Layout | None:
+    """Repack every cell of `layout` from intact subtrees into its consumer count.
+
+    A cell that cannot be repacked keeps its consumers when `keep_failed`
+    (they fit already); otherwise the whole candidate is dropped.
+    """
+    consumer_of = layout.consumer_of.copy()
+    cell_of_position = layout.cell_of_consumer[layout.consumer_of]
+    by_cell = np.argsort(cell_of_position, kind="stable")
+    bounds = np.searchsorted(cell_of_position[by_cell], np.arange(len(layout.cap_of_cell) + 1))
+    for g in range(len(layout.cap_of_cell)):
+        positions = by_cell[bounds[g]:bounds[g + 1]]
+        consumers = np.flatnonzero(layout.cell_of_consumer == g)
+        if not len(consumers):
+            continue
+        packed = pack_units(model, Cell(model, positions).units(unit_cost), len(consumers), capacity)
+        if packed is None:
+            if keep_failed:
+                continue
+            return None
+        for k, members in zip(consumers.tolist(), packed):
+            consumer_of[members] = k
+    return Layout(name, consumer_of, layout.cell_of_consumer, layout.window_start, layout.cap_of_cell)

@@ -1,0 +1,251 @@
+"""L2's depth adjustments and local refinement: moving trajectories between consumers of a window.
+
+Every accepted move keeps every capacity, never raises Phi and never runs
+more decoder tokens than L1's consumers would; a move across replicas also
+never adds tokens (Appendix A.2's exchange rule).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from harts.compiler.placement.evaluation import Evaluation
+from harts.compiler.placement.options import L2Options
+from harts.compiler.placement.scoring import Layout, format_key, grid_costs, trial_score, work_potential
+from harts.compiler.prefix_cost import PrefixCostModel
+
+
+def _exportable(members: np.ndarray, lengths: np.ndarray, ev: Evaluation) -> np.ndarray:
+    """Members whose rows all stay in the consumer when they leave: a prefix of the next member, or a duplicate."""
+    if len(members) < 2:
+        return members[:0]
+    prefix_of_next = np.append(ev.lcp_consumer[members[1:]] >= lengths[members[:-1]], False)
+    equal_previous = ev.lcp_consumer[members] >= lengths[members]
+    return members[prefix_of_next | equal_previous]
+
+
+def adjust_depths(model: PrefixCostModel, options: L2Options, layout: Layout, dp: int, capacity: int, token_limit: int,
+                  decisions: list[str]) -> Layout:
+    """Depth adjustments: consumers above their window's mean cost export a nested prefix to a cell neighbour.
+
+    The exported member's rows beyond its cached prefix become shared, so the
+    producer computes them and the heavy consumer's residual shrinks by
+    len - cached. Each export is chosen to land the consumer closest to the
+    mean, re-evaluated exactly, and kept only when capacities and the
+    producer limit hold and Phi does not grow.
+    """
+    lengths = model.lengths
+    K = len(layout.cell_of_consumer)
+    W = len(layout.window_start) - 1
+    exported = 0
+    for w in range(W):
+        ev = layout.ev
+        cost = ev.res_f + ev.res_b
+        in_window = np.flatnonzero(layout.cell_of_consumer // dp == w)
+        mean = float(cost[in_window].mean())
+        for a in in_window[np.argsort(-cost[in_window], kind="stable")].tolist():
+            ev = layout.ev
+            cost = ev.res_f + ev.res_b
+            if cost[a] <= mean:
+                break
+            per_row = max(1.0, cost[a] / max(1, ev.res_n[a]))
+            wanted = (cost[a] - mean) / per_row
+            members = np.flatnonzero(layout.consumer_of == a)
+            candidates = _exportable(members, lengths, ev)
+            gain = lengths[candidates] - ev.cached[candidates]
+            keep = gain > 0
+            candidates, gain = candidates[keep], gain[keep]
+            if not len(candidates):
+                continue
+            cell = layout.cell_of_consumer[a]
+            pool = np.flatnonzero((layout.cell_of_consumer == cell) & (np.arange(K) != a))
+            for x in candidates[np.argsort(np.abs(gain - wanted), kind="stable")][:2].tolist():
+                receiver = _best_receiver(model, layout, ev, x, pool, capacity)
+                if receiver < 0:
+                    continue
+                trial = _apply_move(layout, np.array([x]), a, receiver)
+                if trial is None:
+                    continue
+                score = trial_score(model, options, trial, dp, capacity, token_limit, layout, [a, receiver])
+                if score is not None and score[0] <= layout.key[0]:
+                    layout = trial
+                    exported += 1
+                    break
+    decisions.append(f"depth adjustments: {exported} nested prefixes exported, {format_key(layout.key)}")
+    return layout
+
+
+def _member_runs(members: np.ndarray, lengths: np.ndarray, lcp_consumer: np.ndarray) -> list[np.ndarray]:
+    """A consumer's members split into nested chains: each member a prefix of the next (or equal)."""
+    if len(members) == 0:
+        return []
+    nested = lcp_consumer[members[1:]] >= lengths[members[:-1]]
+    return np.split(members, np.flatnonzero(~nested) + 1)
+
+
+def _run_rows(runs: list[np.ndarray], lengths: np.ndarray, ev: Evaluation) -> np.ndarray:
+    """Residual rows each nested chain contributes to its consumer."""
+    return np.array([int((lengths[r] - np.maximum(ev.lcp_consumer[r], ev.cached[r])).sum()) for r in runs],
+                    dtype=np.int64)
+
+
+def refine(model: PrefixCostModel, options: L2Options, layout: Layout, dp: int, capacity: int, token_limit: int,
+           decisions: list[str]) -> Layout:
+    """Bounded local search that levels work without ever raising Phi; see the module docstring.
+
+    Rounds alternate. A push round takes the heaviest consumer not yet found
+    stuck and tries: exports of a nested prefix to a consumer of its cell;
+    moving one of its nested chains to the lightest consumers of its cell
+    (repacking within the window) or of other cells of its window (an
+    exchange between replicas); swapping a chain with a smaller chain of
+    those consumers. A pull round takes the consumer furthest below its
+    slot's maximum and tries moving in the tail of a nested chain
+    (`_pull_moves`). A move is
+    kept when (Phi, sum of squared costs) decreases lexicographically, the
+    capacities hold, and, when it crosses replicas, tokens do not grow.
+    """
+    stuck: set[tuple[int, bool]] = set()
+    accepted = evaluations = 0
+    potential = work_potential(layout)
+    for step in range(options.refine_steps):
+        ev = layout.ev
+        cost = ev.res_f + ev.res_b
+        pull = step % 2 == 1
+        if pull:
+            fwd, bwd, _, _ = grid_costs(layout, dp)
+            slot_max = (fwd + bwd).max(axis=0)
+            ranked = np.argsort(-(slot_max[layout.slot] - cost), kind="stable").tolist()
+        else:
+            ranked = np.argsort(-cost, kind="stable").tolist()
+        order = [k for k in ranked if (k, pull) not in stuck]
+        if not order:
+            break
+        focus = order[0]
+        moves = _pull_moves(model, layout, ev, focus, dp, capacity, slot_max) if pull else \
+            _push_moves(model, layout, ev, focus, dp, capacity)
+        best = best_score = None
+        for positions, a, b in moves:
+            trial = _apply_move(layout, positions, a, b)
+            if trial is None:
+                continue
+            evaluations += 1
+            score = trial_score(model, options, trial, dp, capacity, token_limit, layout, [a, b])
+            if score is None:
+                continue
+            if layout.cell_of_consumer[b] != layout.cell_of_consumer[a] and trial.key[1] > layout.key[1]:
+                continue   # exchanges between replicas never add tokens
+            if score < (layout.key[0], potential) and (best is None or score < best_score):
+                best, best_score = trial, score
+        if best is None:
+            stuck.add((focus, pull))
+            continue
+        layout, potential = best, best_score[1]
+        accepted += 1
+        stuck.clear()
+    decisions.append(f"refine: {accepted} moves accepted, {evaluations} candidates evaluated, {format_key(layout.key)}")
+    return layout
+
+
+def _push_moves(model, layout: Layout, ev: Evaluation, a: int, dp: int, capacity: int) -> list:
+    """Candidate moves out of the heavy consumer a: (positions, from, to); -1 - p moves p from `to` to `from`."""
+    lengths = model.lengths
+    K = len(layout.cell_of_consumer)
+    cost = ev.res_f + ev.res_b
+    cell = int(layout.cell_of_consumer[a])
+    in_window = np.flatnonzero(layout.cell_of_consumer // dp == cell // dp)
+    per_row = max(1.0, cost[a] / max(1, ev.res_n[a]))
+    wanted = max(1.0, (cost[a] - cost[in_window].mean()) / per_row)
+    members = np.flatnonzero(layout.consumer_of == a)
+    same_cell = np.flatnonzero((layout.cell_of_consumer == cell) & (np.arange(K) != a))
+    other_cells = in_window[layout.cell_of_consumer[in_window] != cell]
+    light = (same_cell[np.argsort(cost[same_cell], kind="stable")][:2].tolist()
+             + other_cells[np.argsort(cost[other_cells], kind="stable")][:2].tolist())
+    moves = []
+    exportable = _exportable(members, lengths, ev)
+    gain = lengths[exportable] - ev.cached[exportable]
+    exportable, gain = exportable[gain > 0], gain[gain > 0]
+    for x in exportable[np.argsort(np.abs(gain - wanted), kind="stable")][:3].tolist():
+        receiver = _best_receiver(model, layout, ev, x, same_cell, capacity)
+        if receiver >= 0:
+            moves.append((np.array([x]), a, receiver))
+    runs = _member_runs(members, lengths, ev.lcp_consumer)
+    sizes = _run_rows(runs, lengths, ev)
+    if len(runs) > 1:
+        for r in np.argsort(np.abs(sizes - wanted), kind="stable")[:2].tolist():
+            moves += [(runs[r], a, b) for b in light]
+    swaps = []
+    for b in light:
+        light_runs = _member_runs(np.flatnonzero(layout.consumer_of == b), lengths, ev.lcp_consumer)
+        light_sizes = _run_rows(light_runs, lengths, ev)
+        for ra in range(len(runs)):
+            for rb in range(len(light_runs)):
+                if sizes[ra] > light_sizes[rb]:
+                    swaps.append((abs(sizes[ra] - light_sizes[rb] - wanted), ra, b, rb, light_runs))
+    for _, ra, b, rb, light_runs in sorted(swaps, key=lambda t: t[:4])[:4]:
+        moves.append((np.concatenate([runs[ra], -1 - light_runs[rb]]), a, b))
+    return moves
+
+
+def _pull_moves(model, layout: Layout, ev: Evaluation, b: int, dp: int, capacity: int, slot_max: np.ndarray) -> list:
+    """Candidate moves into consumer b, which runs below its slot's maximum `slot_max[slot]`: tails of nested chains.
+
+    A tail is a chain's members from some member up; it leaves its consumer a
+    with the rows above the member below it, and b must then hold the tail's
+    longest member. Donors are b's cell mates and the two heaviest consumers
+    of other cells of its window. Only tails whose growth of b's complete
+    layout fits the capacity are proposed, two per chain, those moving about
+    half of b's deficit first (the donor's slot often has a deficit too).
+    """
+    lengths = model.lengths
+    cost = ev.res_f + ev.res_b
+    cell = int(layout.cell_of_consumer[b])
+    in_window = np.flatnonzero(layout.cell_of_consumer // dp == cell // dp)
+    same_cell = in_window[(layout.cell_of_consumer[in_window] == cell) & (in_window != b)]
+    other_cells = in_window[layout.cell_of_consumer[in_window] != cell]
+    donors = same_cell.tolist() + other_cells[np.argsort(-cost[other_cells], kind="stable")][:2].tolist()
+    per_row = max(1.0, cost[b] / max(1, ev.res_n[b]))
+    wanted = max(1.0, (slot_max[layout.slot[b]] - cost[b]) / per_row / 2)
+    ranked = []
+    for a in donors:
+        for run in _member_runs(np.flatnonzero(layout.consumer_of == a), lengths, ev.lcp_consumer):
+            if ev.full[b] + _growth(model, layout.consumer_of, int(run[-1]), np.array([b]))[0] > capacity:
+                continue
+            below = np.concatenate([[ev.lcp_consumer[run[0]]], lengths[run[:-1]]])
+            moved = lengths[run[-1]] - below          # rows a no longer holds once run[i:] leaves
+            for i in np.argsort(np.abs(moved - wanted), kind="stable")[:2].tolist():
+                ranked.append((abs(float(moved[i]) - wanted), a, i, run))
+    ranked.sort(key=lambda t: t[:3])
+    return [(run[i:], a, b) for _, a, i, run in ranked[:12]]
+
+
+def _growth(model: PrefixCostModel, consumer_of: np.ndarray, x: int, pool: np.ndarray) -> np.ndarray:
+    """Rows each consumer of `pool` would add to its complete layout to hold trajectory x.
+
+    x shares with a consumer exactly its longest common prefix with any member.
+    """
+    shared = np.zeros(int(consumer_of.max()) + 1, dtype=np.int64)
+    np.maximum.at(shared, consumer_of, model.lcp_to_all(x))
+    return model.lengths[x] - shared[pool]
+
+
+def _best_receiver(model: PrefixCostModel, layout: Layout, ev: Evaluation, x: int, pool: np.ndarray,
+                   capacity: int) -> int:
+    """The consumer of `pool` that takes trajectory x with the least growth of its complete layout (-1: none fits)."""
+    if not len(pool):
+        return -1
+    growth = _growth(model, layout.consumer_of, x, pool)
+    fits = ev.full[pool] + growth <= capacity
+    if not fits.any():
+        return -1
+    return int(pool[fits][np.argmin(growth[fits])])
+
+
+def _apply_move(layout: Layout, positions: np.ndarray, a: int, b: int) -> Layout | None:
+    """Move positions >= 0 from a to b, and positions encoded as -1 - p from b to a; None if a consumer empties."""
+    consumer_of = layout.consumer_of.copy()
+    forward = positions[positions >= 0]
+    backward = -1 - positions[positions < 0]
+    consumer_of[forward] = b
+    consumer_of[backward] = a
+    if not np.any(consumer_of == a) or not np.any(consumer_of == b):
+        return None
+    return Layout(layout.name, consumer_of, layout.cell_of_consumer, layout.window_start, layout.cap_of_cell)
