@@ -87,7 +87,7 @@ def _exchange_candidates(layout: Layout, cost: np.ndarray, dp: int,
 
 def exchange_consumers(model: PrefixCostModel, options: L2Options, layout: Layout, dp: int, capacity: int,
                        token_limit: int, decisions: list[str]) -> Layout:
-    """Placement exchanges: whole consumers of one window trade replicas; see the module docstring.
+    """Placement exchanges: whole consumers of one window trade replicas; see `place_windows`' docstring.
 
     Each round ranks the swaps twice, with costs held fixed and with the moved
     consumers re-estimated in their new cells (`_cost_in_cells`), interleaves

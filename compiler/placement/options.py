@@ -13,7 +13,7 @@ from harts.schema.cost_model import row_cost_weights
 
 @dataclass(frozen=True, slots=True)
 class L2Options:
-    """Cost weights and search bounds of L2 (see the module docstring for the cost model)."""
+    """Cost weights and search bounds of L2 (the cost model: `place_windows`' module docstring)."""
 
     # Weights of Equation A.2 in units of one causal attention pair.
     token_cost_forward: int = 65536     # alpha_F: linear-layer work of one computed row

@@ -90,7 +90,7 @@ def _run_rows(runs: list[np.ndarray], lengths: np.ndarray, ev: Evaluation) -> np
 
 def refine(model: PrefixCostModel, options: L2Options, layout: Layout, dp: int, capacity: int, token_limit: int,
            decisions: list[str]) -> Layout:
-    """Bounded local search that levels work without ever raising Phi; see the module docstring.
+    """Bounded local search that levels work without ever raising Phi; see `place_windows`' docstring.
 
     Rounds alternate. A push round takes the heaviest consumer not yet found
     stuck and tries: exports of a nested prefix to a consumer of its cell;
