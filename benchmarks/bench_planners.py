@@ -60,8 +60,7 @@ from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
 from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.schema.errors import HartsError
-from harts.schema.summary import (balance, balance_percentile, cost_work, plan_statistics, producer_work,
-                                  slot_work)
+from harts.schema.summary import balance, balance_percentile, plan_statistics, work_grids
 from harts.tools import gen
 
 TARGET_REDUCTION, TARGET_BALANCE, TARGET_P5, TARGET_SECONDS = 0.25, 0.97, 0.90, 1.5
@@ -112,8 +111,9 @@ def run(batch: TrajectoryBatch, options: CompileOptions) -> dict | None:
         if "not implemented" in str(err) or "unknown planner" in str(err):
             return None
         raise
-    stats = plan_statistics(result.plan, planning_seconds(result))
-    stats["arrays"] = (slot_work(result.plan), producer_work(result.plan), *cost_work(result.plan))
+    grids = work_grids(result.plan)
+    stats = plan_statistics(result.plan, planning_seconds(result), grids)
+    stats["arrays"] = grids
     stats["least_decoder"] = (stats["trie_unique_tokens"]
                               + (min(options.dp, batch.num_trajectories) - 1) * common_prefix_tokens(batch))
     return stats

@@ -33,11 +33,14 @@ def decoder_rows(mb: dict) -> int:
     return len(mb["row_token"]) if cached_by is None else int(np.count_nonzero(np.asarray(cached_by) < 0))
 
 
+def _slot_grid(plan: Plan) -> tuple[int, int]:
+    """(D, J): the shape of a per-(replica, slot) array."""
+    return int(plan.flags["dp"]), 1 + max((int(mb["slot"]) for mb in plan.microbatches), default=-1)
+
+
 def slot_work(plan: Plan) -> np.ndarray:
     """r[d, j]: decoder rows of each consumer, zero where a replica has no microbatch at a slot."""
-    dp = int(plan.flags["dp"])
-    slots = 1 + max((int(mb["slot"]) for mb in plan.microbatches), default=-1)
-    work = np.zeros((dp, slots), dtype=np.int64)
+    work = np.zeros(_slot_grid(plan), dtype=np.int64)
     for mb in plan.microbatches:
         work[int(mb["replica"]), int(mb["slot"])] += decoder_rows(mb)
     return work
@@ -88,13 +91,18 @@ def cost_work(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     """`slot_work` and `producer_work` in L2's cost model, with the plan's `pairs_per_token` (default the
     paper's models for plans that do not record it)."""
     weights = row_cost_weights(int(plan.flags.get("pairs_per_token", DEFAULT_PAIRS_PER_TOKEN)))
-    work = np.zeros_like(slot_work(plan))
+    work = np.zeros(_slot_grid(plan), dtype=np.int64)
     for mb in plan.microbatches:
         work[int(mb["replica"]), int(mb["slot"])] += computed_cost(mb, weights, mb.get("row_cached_by"))
-    producers = np.zeros_like(producer_work(plan))
+    producers = np.zeros((int(plan.flags["dp"]), window_count(plan)), dtype=np.int64)
     for producer in plan.producers or ():
         producers[int(producer["replica"]), int(producer["window"])] += computed_cost(producer, weights)
     return work, producers
+
+
+def work_grids(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(`slot_work`, `producer_work`, *`cost_work`): every per-computation array the statistics read."""
+    return slot_work(plan), producer_work(plan), *cost_work(plan)
 
 
 def balance(work: np.ndarray, producers: np.ndarray | None = None) -> float:
@@ -119,15 +127,14 @@ def step_total_balance(work: np.ndarray, producers: np.ndarray) -> float:
     return float(totals.mean() / totals.max()) if totals.size and totals.max() > 0 else 1.0
 
 
-def plan_statistics(plan: Plan, planning_seconds: float = 0.0) -> dict:
+def plan_statistics(plan: Plan, planning_seconds: float = 0.0, grids: tuple | None = None) -> dict:
+    """Every `harts stats` key; `grids`, when given, is this plan's `work_grids` (not recounted)."""
     flags = plan.flags
     compact = sum(len(mb["row_token"]) for mb in plan.microbatches)
     original = int(plan.step["original_tokens"])
-    work = slot_work(plan)
-    producers = producer_work(plan)
+    work, producers, *costs = work_grids(plan) if grids is None else grids
     decoder = int(work.sum() + producers.sum())
     l1_compact = int(plan.step.get("l1_compact_tokens", compact))
-    costs = cost_work(plan)
     return {
         "trajectories": int(plan.step["num_trajectories"]),
         "original_tokens": original,
