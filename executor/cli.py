@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     if not primary:
         return 0
     original = int(plan.step["original_tokens"])
-    summary = {"mode": mode, "loss": result.loss, "objective": result.objective, "moe_aux_loss": result.moe_aux_loss, "moe_z_loss": result.moe_z_loss,
+    summary = {"mode": mode, "loss": result.loss, "objective": result.objective,
+               "moe_aux_loss": result.moe_aux_loss, "moe_z_loss": result.moe_z_loss,
                "original_tokens": original, "decoder_rows": result.rows, "window_producers": result.producers_run,
                "seconds": result.seconds,
                "tokens_per_second": original / result.seconds if result.seconds else 0.0}
