@@ -1,8 +1,12 @@
 """Outputs that appear only when complete: write to a temporary file beside the target, then rename.
 
 Every file HARTS writes (plans, timing sidecars, generated workloads, reports,
-log-probabilities, gradients) goes through `atomic_output`, so a failure or an
-interrupt never leaves a half-written file under the target name.
+log-probabilities, gradients) goes through `atomic_output` or
+`atomic_write_files`, so a failure or an interrupt never leaves a half-written
+file under the target name. A target that cannot be written (a folder, a path
+under a file, a read-only folder, a full disk) raises `OutputError`, one line
+the command-line front ends print; `check_output_path` finds most of these
+before any work is done.
 """
 from __future__ import annotations
 
@@ -11,24 +15,78 @@ import os
 import secrets
 from pathlib import Path
 
+from harts.schema.errors import OutputError
+
+
+def _reason(err: OSError) -> str:
+    return err.strerror or type(err).__name__
+
+
+def check_output_path(path: str | os.PathLike, *, inputs=()) -> Path:
+    """Refuse, before any work, an output path that cannot become a file; returns it as a Path.
+
+    Refused: an empty path; one naming a folder (an existing folder, or a
+    trailing separator); one under an existing file; one in a folder that
+    exists but cannot be written; one that is the same file as any of
+    `inputs` (it would be replaced by the output). Missing folders are fine:
+    `atomic_output` creates them.
+    """
+    text = os.fspath(path)
+    if not text:
+        raise OutputError("''", "the output path is empty", "give a file name")
+    if text.endswith(("/", os.sep)) or Path(text).is_dir():
+        raise OutputError(text, "it names a folder, not a file", f"give a file name, e.g. {Path(text) / 'out'}")
+    target = Path(text)
+    for source in inputs:
+        with contextlib.suppress(OSError):
+            if target.exists() and os.path.samefile(target, source):
+                raise OutputError(text, "it is also an input and would be overwritten", "write to another file")
+    folder = target.parent
+    while not folder.exists():
+        if folder.is_symlink() or folder == folder.parent:
+            break
+        folder = folder.parent
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(text, f"{folder} is a file, not a folder", "choose a path whose folders are folders")
+    if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputError(text, f"folder {folder} is not writable", "choose a folder you can write to")
+    return target
+
+
+def _temporary_beside(path: Path):
+    """Create the parent folders and an exclusive temporary file next to `path`; (fd, temp path)."""
+    check_output_path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        # Mode 0o666 (less the umask), as any new file gets, rather than mkstemp's
+        # 0600: the mode survives the rename.
+        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+    except OSError as err:
+        raise OutputError(path, _reason(err), "check that the folder exists as a folder and is writable") from err
+
 
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike):
     """Yield a binary file; on success it is fsynced and renamed to `path`, on error removed.
 
-    The temporary file is created with mode 0o666 (less the umask), as any new
-    file would be, rather than mkstemp's 0600, because the mode survives the rename.
+    Failures of creating, syncing or renaming the file raise `OutputError`;
+    an exception raised by the caller's writing passes through unchanged.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    fd, tmp = _temporary_beside(path)
     try:
         with os.fdopen(fd, "wb") as out:
             yield out
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
+            try:
+                out.flush()
+                os.fsync(out.fileno())
+            except OSError as err:
+                raise OutputError(path, _reason(err), "free disk space or choose another folder") from err
+        try:
+            os.replace(tmp, path)
+        except OSError as err:
+            raise OutputError(path, _reason(err), "check that the target is not a folder and is writable") from err
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -38,3 +96,41 @@ def atomic_output(path: str | os.PathLike):
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     with atomic_output(path) as out:
         out.write(data)
+
+
+def atomic_write_files(files: dict) -> None:
+    """Write several files as one output: either all of them appear or none does.
+
+    Each is written to a temporary file first (`atomic_output`'s guarantees);
+    only when every one is complete are they renamed into place. Should a
+    rename fail, the targets already renamed are removed again (they are new
+    outputs of this call), so no partial set is left behind.
+    """
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for path, data in files.items():
+            path = Path(path)
+            fd, tmp = _temporary_beside(path)
+            staged.append((path, tmp))
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
+            except OSError as err:
+                raise OutputError(path, _reason(err), "free disk space or choose another folder") from err
+        done: list[Path] = []
+        for path, tmp in staged:
+            try:
+                os.replace(tmp, path)
+            except OSError as err:
+                for written in done:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(written)
+                raise OutputError(path, _reason(err), "check that the target is not a folder and is writable") from err
+            done.append(path)
+    except BaseException:
+        for _, tmp in staged:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        raise

@@ -23,6 +23,14 @@ class InputError(HartsError):
         super().__init__(f"{where}: {what}{problem}; fix: {fix}")
 
 
+class OutputError(HartsError):
+    """An output HARTS cannot write: names the path, the reason and the fix."""
+
+    def __init__(self, path, problem: str, fix: str):
+        self.path, self.problem, self.fix = str(path), problem, fix
+        super().__init__(f"cannot write {path}: {problem}; fix: {fix}")
+
+
 class PlanFormatError(HartsError):
     """A plan file that cannot be read: wrong format, wrong version, truncated or corrupted."""
 
