@@ -13,7 +13,6 @@ member whose path first reaches the row (its rectangle term).
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from harts.compiler.ir.trajectories import TrajectoryBatch
