@@ -1,8 +1,8 @@
 """`harts viz`: the report is one well-formed, self-contained page with every plot.
 
 Run: `python -m pytest tests/test_viz.py -q`. Plans are compiled from a small
-tree-step workload (an L1 plan with dp=1 and one with dp=4); a plan with
-sharing windows is made by hand from the dp=4 plan, since L2 is not built yet.
+tree-step workload: L1 plans with dp=1 and dp=4, and a two-level plan with
+dp=4 whose sharing window has a producer on every replica.
 The last test renders the page in headless Chromium and is skipped when no
 browser is on PATH (`apt-get install chromium` to run it).
 """
@@ -18,7 +18,7 @@ import pytest
 
 from harts.cli import main as harts_main
 from harts.compiler.cli import main as hartsc_main
-from harts.schema.plan import Plan, read_plan, write_plan
+from harts.schema.plan import read_plan
 from harts.tools import gen
 from harts.tools.viz import PLOT_IDS, render_report, slot_parts, tree_view
 
@@ -34,11 +34,13 @@ def plans(tmp_path_factory):
     folder = tmp_path_factory.mktemp("viz")
     trees = folder / "trees.jsonl"
     gen.write_jsonl(gen.generate(WORKLOAD), trees)
-    paths = {"l1": folder / "l1.plan", "dp4": folder / "dp4.plan"}
+    paths = {"l1": folder / "l1.plan", "dp4": folder / "dp4.plan", "l2": folder / "l2.plan"}
     assert hartsc_main([str(trees), "-o", str(paths["l1"]), "--chunk-size", "16", "--capacity", "2048",
                         "--levels", "l1"]) == 0
     assert hartsc_main([str(trees), "-o", str(paths["dp4"]), "--dp", "4", "--capacity", "700",
                         "--chunk-size", "16", "--levels", "l1"]) == 0
+    assert hartsc_main([str(trees), "-o", str(paths["l2"]), "--dp", "4", "--capacity", "700",
+                        "--chunk-size", "16", "--levels", "l1+l2"]) == 0
     return paths
 
 
@@ -136,38 +138,19 @@ def test_unreadable_plan_is_one_line(tmp_path, capsys):
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
-def with_windows(plan: Plan) -> Plan:
-    """Two-slot sharing windows on a copy of an L1 plan: each consumer reads its root segment from a producer."""
-    microbatches, producers = [], {}
-    for mb in plan.microbatches:
-        mb = dict(mb)
-        window = int(mb["slot"]) // 2
-        root_rows = int(mb["segment_row_start"][1])
-        cached_by = np.full(len(mb["row_token"]), -1, dtype=np.int64)
-        cached_by[:root_rows] = np.arange(root_rows)
-        mb["window"], mb["row_cached_by"] = window, cached_by
-        key = (int(mb["replica"]), window)
-        producers[key] = max(producers.get(key, 0), root_rows)
-        microbatches.append(mb)
-    step = dict(plan.step)
-    step["producers"] = [{"replica": d, "window": w, "row_token": np.zeros(n, dtype=np.int32)}
-                         for (d, w), n in sorted(producers.items())]
-    header = {**plan.header, "flags": {**plan.flags, "levels": "l1+l2"}}
-    return Plan(header=header, step=step, microbatches=microbatches, summary=plan.summary)
-
-
-def test_windows_are_drawn_when_present(plans, tmp_path):
-    plan = with_windows(read_plan(plans["dp4"]))
-    path = tmp_path / "windows.plan"
-    write_plan(plan, path)
-    plan = read_plan(path)
+def test_windows_are_drawn_when_present(plans):
+    plan = read_plan(plans["l2"])
+    slots = 1 + max(int(mb["slot"]) for mb in plan.microbatches)
+    assert {int(p["window"]) for p in plan.producers} == {0} and slots > 1
     producer, decoder, cached = slot_parts(plan)
-    assert producer[:, 0].sum() > 0 and producer[:, 1].sum() == 0, "a producer is charged to its window's first slot"
-    assert cached.sum() == sum(int(np.count_nonzero(mb["row_cached_by"] >= 0)) for mb in plan.microbatches)
-    page = render_report(plan, path.name)
+    assert (producer[:, 0] > 0).all() and producer[:, 1:].sum() == 0, "a producer is charged to its window's first slot"
+    assert producer[:, 0].tolist() == [len(p["row_token"]) for p in sorted(plan.producers, key=lambda p: p["replica"])]
+    assert cached.sum() == sum(int(np.count_nonzero(mb["row_cached_by"] >= 0)) for mb in plan.microbatches) > 0
+    assert decoder.sum() + cached.sum() == sum(len(mb["row_token"]) for mb in plan.microbatches)
+    page = render_report(plan, plans["l2"].name)
     assert_self_contained_page(page)
     assert "no sharing windows" not in page
-    assert "producer of window 0 on replica 0" in page and "W0 (slots 0-1)" in page
+    assert "producer of window 0 on replica 0" in page and f"W0 (slots 0-{slots - 1})" in page
     assert "producer rows" in page, "the work plot stacks the producer part"
 
 
