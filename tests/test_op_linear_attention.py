@@ -194,6 +194,9 @@ def test_empty_round_and_no_exports(fn):
     inputs = make_round([3, 9], "channel")
     o, ex = run(fn, inputs, I(), I(), 4)
     assert o.shape == (12, 2, 5) and ex.shape == (0, 2, 6, 5)
+    # Without exports the outputs are those of the same round with every final state exported.
+    o_exported, _ = run(naive_linear_attention, inputs, I(0, 1), I(1, 3), 4)
+    assert rel_err(o, o_exported) < 1e-10
 
 
 def test_initial_state_none_is_zeros():

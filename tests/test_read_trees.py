@@ -397,6 +397,15 @@ def test_every_written_value_is_read_back_exactly(tmp_path_factory, recs):
     np.testing.assert_array_equal(batch.loss_mask, expected.loss_mask)
     np.testing.assert_array_equal(batch.advantages, expected.advantages)
     np.testing.assert_array_equal(batch.has_old_logprobs, [r[3] for r in recs])
+    if not any(r[3] for r in recs):
+        assert batch.old_logprobs is None
+        return
+    for i, (tokens, _, _, with_lp) in enumerate(recs):
+        values = batch.old_logprobs[batch.token_offsets[i]:batch.token_offsets[i + 1]]
+        if with_lp:
+            np.testing.assert_array_equal(values, -np.arange(len(tokens), dtype=np.float32))
+        else:
+            assert np.isnan(values).all()
 
 
 @pytest.mark.parametrize("kwargs", [{"vocab_size": 0}, {"capacity": 1}], ids=["vocab_size_0", "capacity_1"])
