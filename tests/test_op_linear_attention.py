@@ -342,7 +342,11 @@ def test_bfloat16_computes_in_float32(gate):
     o32, ex32 = run(chunk_linear_attention, upcast, export_seq, export_chunk, chunk)
     assert torch.equal(o, o32.to(torch.bfloat16)) and torch.equal(ex, ex32)
     wrt = [inputs[n] for n in LEAVES]
-    assert all(gr.dtype == torch.bfloat16 and torch.isfinite(gr.float()).all() for gr in grads_of([o, ex], wrt))
+    grads = grads_of([o, ex], wrt)
+    assert all(gr.dtype == torch.bfloat16 for gr in grads)
+    # The same gradients as the float32 computation, up to bfloat16 rounding of the upstream weights and result.
+    grads32 = grads_of([o32, ex32], [upcast[n] for n in LEAVES])
+    assert all(rel_err(gr, gr32) < 2e-2 for gr, gr32 in zip(grads, grads32))
 
 
 def _valid_args():
