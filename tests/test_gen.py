@@ -341,14 +341,41 @@ def test_cli_writes_the_file_and_prints_one_summary_line(tmp_path, capsys):
 @pytest.mark.parametrize("argv", [["--tasks", "0", "-o", "x.jsonl"],
                                   ["--turns-min", "9", "--turns-max", "3", "--dry-run"],
                                   ["--kind", "stepwise"],
-                                  ["--system-prompt-tokens", "70000", "--dry-run"]],
-                         ids=["no-tasks", "turns-reversed", "no-output", "prompt-over-limit"])
+                                  ["--system-prompt-tokens", "70000", "--dry-run"],
+                                  ["--with-logprobs", "--logprob-scale", "inf", "-o", "x.jsonl"],
+                                  ["--with-logprobs", "--logprob-scale", "1e300", "-o", "x.jsonl"],
+                                  ["--logprob-scale", "nan", "-o", "x.jsonl"],
+                                  ["--vocab-size", str(2**32), "-o", "x.jsonl"],
+                                  ["--tool-tokens-median", "nan", "-o", "x.jsonl"],
+                                  ["--target-tokens", "0", "-o", "x.jsonl"]],
+                         ids=["no-tasks", "turns-reversed", "no-output", "prompt-over-limit",
+                              "logprob-scale-inf", "logprob-scale-overflows-float32", "logprob-scale-nan",
+                              "vocab-over-int32", "median-nan", "target-0"])
 def test_cli_rejects_bad_input_with_one_line(argv, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("harts gen: error:")
+    assert len(err) == 1 and err[0].startswith("harts gen: error:") and "; fix: " in err[0]
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("output", ["adir", "afile/x.jsonl"], ids=["a-folder", "under-a-file"])
+def test_cli_refuses_an_output_path_that_cannot_be_a_file(output, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("keep")
+    assert main(["--tasks", "1", "-o", output]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("harts gen: error: cannot write") and "; fix: " in err[0]
+    assert sorted(os.listdir(tmp_path)) == ["adir", "afile"] and os.listdir("adir") == []
+
+
+def test_the_largest_logprob_scale_still_writes_finite_float32(tmp_path):
+    config = GenConfig(tasks=1, group_size=2, turns_min=1, turns_max=2, system_prompt_tokens=8,
+                       task_tokens_min=4, task_tokens_max=8, tool_tokens_min=1, tool_tokens_max=16,
+                       context_limit=128, with_logprobs=True, logprob_scale=1e30)
+    for record in generate(config):
+        assert np.isfinite(record["old_logprobs"]).all()
 
 
 def test_python_dash_m_runs(tmp_path):
@@ -362,10 +389,15 @@ def test_python_dash_m_runs(tmp_path):
     {"action_tokens_median": 0.0}, {"tool_tokens_sigma": -1.0}, {"vocab_size": 1},
     {"branch_prob": 1.5}, {"branch_factor": 1}, {"kind": "treestep", "max_branches": 2},
     {"shared_steps": "twice"}, {"seed": -1}, {"context_limit": 4096},
+    {"logprob_scale": math.inf}, {"logprob_scale": 1e31}, {"logprob_scale": math.nan},
+    {"vocab_size": 2**31 + 1}, {"action_tokens_sigma": math.nan}, {"tool_tokens_median": math.inf},
 ], ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
 def test_config_rejects_bad_values(bad):
-    with pytest.raises(ValueError, match="GenConfig"):
+    """Every refusal says what was expected, what was found and the fix, naming the flag."""
+    flag = "--" + list(bad)[-1].replace("_", "-")
+    with pytest.raises(ValueError, match=r"^GenConfig: .*, got .*; fix: .*") as caught:
         GenConfig(**bad)
+    assert flag in str(caught.value)
 
 
 def test_a_large_stepwise_group_needs_no_max_branches():

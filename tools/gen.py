@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -39,7 +40,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from harts.schema.atomic import atomic_output
+from harts.schema.atomic import atomic_output, check_output_path
+from harts.schema.errors import HartsError
 
 KINDS = ("stepwise", "treestep")
 SHARED_STEPS = ("once", "per-branch")
@@ -138,45 +140,78 @@ class GenConfig:
         "random seed (>= 0); the same config and seed give the same file; default 0"))
 
     def __post_init__(self) -> None:
-        def need(ok: bool, what: str, got) -> None:
-            if not ok:
-                raise ValueError(f"GenConfig: {what}, got {got}")
-
-        need(self.kind in KINDS, f"kind must be one of {KINDS}", repr(self.kind))
-        need(self.shared_steps in SHARED_STEPS, f"shared_steps must be one of {SHARED_STEPS}",
-             repr(self.shared_steps))
-        need(self.tasks >= 1, "tasks must be >= 1", self.tasks)
-        need(self.group_size >= 1, "group_size must be >= 1", self.group_size)
-        need(self.system_prompt_tokens >= 0, "system_prompt_tokens must be >= 0",
-             self.system_prompt_tokens)
-        need(1 <= self.task_tokens_min <= self.task_tokens_max,
-             "need 1 <= task_tokens_min <= task_tokens_max",
-             (self.task_tokens_min, self.task_tokens_max))
-        need(1 <= self.turns_min <= self.turns_max, "need 1 <= turns_min <= turns_max",
-             (self.turns_min, self.turns_max))
-        need(1 <= self.action_tokens_min <= self.action_tokens_max,
-             "need 1 <= action_tokens_min <= action_tokens_max",
-             (self.action_tokens_min, self.action_tokens_max))
-        need(0 <= self.tool_tokens_min <= self.tool_tokens_max,
-             "need 0 <= tool_tokens_min <= tool_tokens_max",
-             (self.tool_tokens_min, self.tool_tokens_max))
+        """Refuse any value the generator cannot honour: one ValueError, `GenConfig: ...; fix: ...`."""
+        c = self
+        _need(c.kind in KINDS, f"kind must be one of {KINDS}", repr(c.kind),
+              f"set kind (--kind) to {' or '.join(KINDS)}")
+        _need(c.shared_steps in SHARED_STEPS, f"shared_steps must be one of {SHARED_STEPS}",
+              repr(c.shared_steps), f"set shared_steps (--shared-steps) to {' or '.join(SHARED_STEPS)}")
+        _need(c.tasks >= 1, "tasks must be >= 1", c.tasks, "set tasks (--tasks) to 1 or more")
+        _need(c.group_size >= 1, "group_size must be >= 1", c.group_size,
+              "set group_size (--group-size) to 1 or more")
+        _need(c.system_prompt_tokens >= 0, "system_prompt_tokens must be >= 0", c.system_prompt_tokens,
+              "set system_prompt_tokens (--system-prompt-tokens) to 0 or more")
+        _need_range(c, "task_tokens", low=1)
+        _need_range(c, "turns", low=1)
+        _need_range(c, "action_tokens", low=1)
+        _need_range(c, "tool_tokens", low=0)
         for name in ("action_tokens_median", "tool_tokens_median"):
-            need(getattr(self, name) > 0, f"{name} must be > 0", getattr(self, name))
-        for name in ("action_tokens_sigma", "tool_tokens_sigma", "logprob_scale"):
-            need(getattr(self, name) >= 0, f"{name} must be >= 0", getattr(self, name))
-        prompt_max = self.system_prompt_tokens + self.task_tokens_max
-        need(prompt_max < self.context_limit,
-             "system_prompt_tokens + task_tokens_max must leave room for one action token "
-             "below context_limit", (prompt_max, self.context_limit))
-        need(self.vocab_size >= max(2, self.group_size, self.branch_factor),
-             "vocab_size must be >= 2, group_size and branch_factor (siblings need distinct "
-             "first tokens)", self.vocab_size)
-        need(0.0 <= self.branch_prob <= 1.0, "branch_prob must be in [0, 1]", self.branch_prob)
-        need(self.branch_factor >= 2, "branch_factor must be >= 2", self.branch_factor)
+            value = getattr(c, name)
+            _need(math.isfinite(value) and value > 0, f"{name} must be finite and > 0", value,
+                  f"set {name} ({_flag(name)}) to a positive length, e.g. 96")
+        for name in ("action_tokens_sigma", "tool_tokens_sigma"):
+            value = getattr(c, name)
+            _need(math.isfinite(value) and value >= 0, f"{name} must be finite and >= 0", value,
+                  f"set {name} ({_flag(name)}) to 0 or more, e.g. 0.8")
+        # float32 holds magnitudes up to 3.4e38; with the scale at most 1e30 a
+        # value overflows only for a normal draw beyond 3.4e8 sigma, which never
+        # happens, so every written old_logprob is a finite float32 hartsc accepts.
+        _need(math.isfinite(c.logprob_scale) and 0 <= c.logprob_scale <= _MAX_LOGPROB_SCALE,
+              f"logprob_scale must be finite and in [0, {_MAX_LOGPROB_SCALE:g}] (old_logprobs are float32)",
+              c.logprob_scale, "set logprob_scale (--logprob-scale) to a modest value, e.g. 1.0")
+        prompt_max = c.system_prompt_tokens + c.task_tokens_max
+        _need(prompt_max < c.context_limit,
+              "system_prompt_tokens + task_tokens_max must leave room for one action token "
+              "below context_limit", (prompt_max, c.context_limit),
+              f"raise context_limit (--context-limit) above {prompt_max}, or shorten the prompts")
+        low_vocab = max(2, c.group_size, c.branch_factor)
+        _need(c.vocab_size >= low_vocab,
+              "vocab_size must be >= 2, group_size and branch_factor (siblings need distinct "
+              "first tokens)", c.vocab_size, f"set vocab_size (--vocab-size) to {low_vocab} or more")
+        # Tokens are int32 (as in the plan format): ids up to 2**31 - 1.
+        _need(c.vocab_size <= _MAX_VOCAB, f"vocab_size must be <= 2**31 = {_MAX_VOCAB} (token ids are int32)",
+              c.vocab_size, "set vocab_size (--vocab-size) to the model's vocabulary size")
+        _need(0.0 <= c.branch_prob <= 1.0, "branch_prob must be in [0, 1]", c.branch_prob,
+              "set branch_prob (--branch-prob) to a probability, e.g. 0.15")
+        _need(c.branch_factor >= 2, "branch_factor must be >= 2", c.branch_factor,
+              "set branch_factor (--branch-factor) to 2 or more")
         # Only forks read max_branches: a stepwise group may be larger.
-        need(self.kind != "treestep" or self.max_branches >= self.group_size,
-             "treestep needs max_branches >= group_size", (self.max_branches, self.group_size))
-        need(self.seed >= 0, "seed must be >= 0", self.seed)
+        _need(c.kind != "treestep" or c.max_branches >= c.group_size,
+              "treestep needs max_branches >= group_size", (c.max_branches, c.group_size),
+              f"set max_branches (--max-branches) to {c.group_size} or more, or lower group_size")
+        _need(c.seed >= 0, "seed must be >= 0", c.seed, "set seed (--seed) to 0 or more")
+
+
+_MAX_LOGPROB_SCALE = 1e30
+_MAX_VOCAB = 2**31
+
+
+def _flag(name: str) -> str:
+    """The `harts gen` flag of a GenConfig field."""
+    return "--" + name.replace("_", "-")
+
+
+def _need(ok: bool, what: str, got, fix: str) -> None:
+    """Raise the GenConfig error line unless `ok`: what was expected, what was found, the fix."""
+    if not ok:
+        raise ValueError(f"GenConfig: {what}, got {got}; fix: {fix}")
+
+
+def _need_range(c: GenConfig, stem: str, *, low: int) -> None:
+    """`low <= STEM_min <= STEM_max` for a clipped or uniform length range."""
+    lo, hi = getattr(c, f"{stem}_min"), getattr(c, f"{stem}_max")
+    _need(low <= lo <= hi, f"need {low} <= {stem}_min <= {stem}_max", (lo, hi),
+          f"set {_flag(stem + '_min')} to at least {low} and at most {_flag(stem + '_max')}")
 
 
 def preset(name: str, kind: str = "stepwise") -> GenConfig:
@@ -424,10 +459,11 @@ def scale_to(config: GenConfig, *, trajectories: int | None = None,
     """
     if (trajectories is None) == (tokens is None):
         raise ValueError(f"scale_to: give exactly one of trajectories, tokens; got "
-                         f"trajectories={trajectories}, tokens={tokens}")
+                         f"trajectories={trajectories}, tokens={tokens}; fix: pass one target")
     target = trajectories if trajectories is not None else tokens
     if target <= 0:
-        raise ValueError(f"scale_to: the target must be > 0, got {target}")
+        raise ValueError(f"scale_to: the target must be > 0, got {target}; "
+                         "fix: pass --target-trajectories or --target-tokens of 1 or more")
     total, task = 0, 0
     while True:
         p = plan_task(config, task)
@@ -591,7 +627,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.target_tokens is not None:
             config = scale_to(config, tokens=args.target_tokens)
         if args.output is None and not args.dry_run:
-            raise ValueError("give -o/--output FILE, or --dry-run")
+            raise ValueError("no output file; fix: give -o/--output FILE, or --dry-run")
+        if not args.dry_run:
+            # Before any work: a bad path must not cost a paper-scale generation.
+            check_output_path(args.output)
         t0 = time.perf_counter()
         plans = plan(config)
         stats = _stats(config, plans)
@@ -602,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"harts gen: {config.kind}: {sizes} (dry run, nothing written)", file=sys.stderr)
             return 0
         result = write_jsonl(_generate(config, plans), args.output)
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, HartsError) as err:
         print(f"harts gen: error: {err}", file=sys.stderr)
         return 2
     print(f"harts gen: {config.kind}: {sizes} -> {result.path} ({result.bytes:,} bytes, "
