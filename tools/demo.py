@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from harts.compiler import cli as hartsc
-from harts.schema.errors import HartsError
+from harts.schema.errors import HartsError, OutputError
 from harts.tools import check, gen
 
 # Small enough that the expanded baseline runs in seconds on two CPU cores,
@@ -35,19 +35,63 @@ DEMO_VOCAB = 4096
 DEMO_CAPACITY = 2048
 
 
+def prepare_out(out: str | None) -> Path:
+    """The output folder, created; OutputError (one line) when it cannot be a folder.
+
+    Called only after every flag is checked, so a bad flag leaves no folder behind.
+    """
+    if not out:
+        return Path(tempfile.mkdtemp(prefix="harts-demo-"))
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(out, "it is a file, not a folder", "give a new or existing folder for --out")
+    above = folder.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise OutputError(out, f"{above} is a file, not a folder", "choose a path whose folders are folders")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OutputError(out, err.strerror or type(err).__name__,
+                          "give --out a folder you can create and write to") from None
+    return folder
+
+
+def check_outputs(out: Path, with_model: bool) -> tuple[Path, Path, Path]:
+    """The demo's three outputs, each checked before any work: trees.jsonl, step.plan, model/.
+
+    model/ may hold the model of an earlier demo run in the same folder: it is replaced.
+    """
+    from harts.executor.models.init_model import check_model_dir
+    from harts.schema.atomic import check_output_path
+
+    trees, plan_path, model_dir = out / "trees.jsonl", out / "step.plan", out / "model"
+    check_output_path(trees)
+    check_output_path(plan_path)
+    if with_model:
+        check_model_dir(model_dir, replace=True)
+    return trees, plan_path, model_dir
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="harts demo", description="Generate, compile, check and run a small step.")
-    parser.add_argument("--out", help="folder for trees.jsonl, step.plan and model/ (default: a new temporary folder)")
+    parser.add_argument("--out", help="folder for trees.jsonl, step.plan and model/ (default: a new temporary "
+                                      "folder); a model/ an earlier demo wrote there is replaced")
     parser.add_argument("--kind", choices=gen.KINDS, default="stepwise", help="sampling scheme (default stepwise)")
-    parser.add_argument("--seed", type=int, default=0, help="workload and model seed (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="workload and model seed, >= 0 (default 0)")
     parser.add_argument("--no-model", action="store_true", help="stop after compiling and checking (no torch work)")
     args = parser.parse_args(argv)
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="harts-demo-"))
-    out.mkdir(parents=True, exist_ok=True)
-    trees, plan_path, model_dir = out / "trees.jsonl", out / "step.plan", out / "model"
     started = time.perf_counter()
     try:
+        # Every flag first: a bad one must leave no folder and no file behind.
         config = gen.GenConfig(kind=args.kind, vocab_size=DEMO_VOCAB, seed=args.seed, **DEMO_WORKLOAD)
+        if not args.no_model:
+            from harts.executor.models.init_model import check_arguments
+
+            check_arguments("kimi_linear", "tiny", DEMO_VOCAB, args.seed)
+        out = prepare_out(args.out)
+        trees, plan_path, model_dir = check_outputs(out, not args.no_model)
         gen.write_jsonl(gen.generate(config), trees)
         for name, run, step_argv in (
             ("compile", hartsc.main, [str(trees), "-o", str(plan_path), "--vocab-size", str(DEMO_VOCAB),
@@ -64,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     except HartsError as err:
         print(f"harts demo: {err}", file=sys.stderr)
         return err.exit_code
+    except ValueError as err:   # a flag out of range (GenConfig, init-model's checks)
+        print(f"harts demo: {err}", file=sys.stderr)
+        return 2
 
 
 def run_model(out: Path, plan_path: Path, model_dir: Path, seed: int, started: float) -> int:
@@ -72,7 +119,7 @@ def run_model(out: Path, plan_path: Path, model_dir: Path, seed: int, started: f
     from harts.schema.plan import read_plan
     from harts.schema.summary import plan_statistics
 
-    model = init_model("kimi_linear", "tiny", model_dir, vocab_size=DEMO_VOCAB, seed=seed)
+    model = init_model("kimi_linear", "tiny", model_dir, vocab_size=DEMO_VOCAB, seed=seed, replace=True)
     plan = read_plan(plan_path)
     stats = plan_statistics(plan)
     expanded = run_step(plan, model, mode="expanded")

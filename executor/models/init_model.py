@@ -16,12 +16,16 @@ a sigmoid-gated shared expert).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import secrets
 import sys
 from pathlib import Path
 
 import torch
 
 from harts.progress import quiet_library_progress
+from harts.schema.errors import HartsError, OutputError
 
 ARCHITECTURES = ("kimi_linear", "qwen3_next")
 PRESETS = ("tiny", "small")
@@ -99,21 +103,88 @@ def qwen3_next_config(preset: str, vocab_size: int):
     )
 
 
-def init_model(arch: str, preset: str, out: str | Path, *, vocab_size: int = 512, seed: int = 0):
-    """Build, initialise and save a model; returns it (float32, eval mode)."""
+# pad, bos and eos are token ids 0, 1 and 2 (see the configs above): a smaller
+# vocabulary would hold ids the embedding has no row for.
+MIN_VOCAB = 3
+# Random models are for tests and benchmarks; real vocabularies (Kimi 163,840,
+# Qwen3 151,936) are far below this, and a larger one only exhausts memory
+# (two vocab x hidden float32 matrices).
+MAX_VOCAB = 2**20
+MAX_SEED = 2**64 - 1       # torch.manual_seed's range
+# What save_pretrained writes for these models; a folder holding only these
+# (and a config.json of a supported family) is an earlier init-model output.
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
+
+
+def check_arguments(arch: str, preset: str, vocab_size: int, seed: int) -> None:
+    """Refuse values the model cannot be built from; ValueError naming the flag and the fix."""
     if arch not in ARCHITECTURES:
-        raise ValueError(f"architecture {arch!r} is not supported yet; use one of {ARCHITECTURES}")
+        raise ValueError(f"--arch {arch}: not supported; fix: use one of {', '.join(ARCHITECTURES)}")
+    if preset not in PRESETS:
+        raise ValueError(f"--preset {preset}: unknown preset; fix: use one of {', '.join(PRESETS)}")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
+        raise ValueError(f"--vocab-size {vocab_size}: must be an int in [{MIN_VOCAB}, {MAX_VOCAB:,}] (token ids "
+                         "0, 1, 2 are pad, bos, eos); fix: pass the vocabulary size of your tokenizer or plan")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"--seed {seed}: must be an int in [0, 2**64 - 1]; fix: pass a non-negative seed, e.g. 0")
+
+
+def _is_earlier_model(folder: Path) -> bool:
+    """True when `folder` holds only files init-model writes and a config.json of a supported family."""
+    import json
+
+    names = {f.name for f in folder.iterdir()}
+    if "config.json" not in names or not names <= set(MODEL_FILES):
+        return False
+    try:
+        return json.loads((folder / "config.json").read_text()).get("model_type") in ARCHITECTURES
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_model_dir(out: str | os.PathLike, *, replace: bool = False) -> Path:
+    """Refuse, before any work, a target init-model must not or cannot write; returns it as a Path.
+
+    Accepted: a path that does not exist (its missing parents are created), an
+    empty folder, and with `replace` a folder holding an earlier init-model
+    output (`_is_earlier_model`). Refused with OutputError: a file, a path
+    under a file, an unwritable parent, any other non-empty folder (it may
+    hold a real model or someone's work; random weights must never replace
+    it silently), and an earlier model without `replace`.
+    """
+    text = os.fspath(out)
+    if not text:
+        raise OutputError("''", "the model folder path is empty", "give a folder name, e.g. -o model")
+    target = Path(text)
+    if target.exists() and not target.is_dir():
+        raise OutputError(text, "it is a file, not a folder", "give a new folder name, e.g. -o model")
+    if target.is_dir() and any(target.iterdir()):
+        if not _is_earlier_model(target):
+            raise OutputError(text, "the folder is not empty and is not an earlier harts init-model output",
+                              "give a new or empty folder")
+        if not replace:
+            raise OutputError(text, "the folder already holds a model", "pass --replace to replace it, "
+                              "or give a new folder")
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OutputError(text, f"{parent} is a file, not a folder", "choose a path whose folders are folders")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(text, f"folder {parent} is not writable", "choose a folder you can write to")
+    return target
+
+
+def build_model(arch: str, preset: str, vocab_size: int, seed: int):
+    """A randomly initialised model (float32, eval mode); the same arguments give the same weights."""
     quiet_library_progress()
+    torch.manual_seed(seed)
     if arch == "qwen3_next":
         from transformers import Qwen3NextForCausalLM
 
-        torch.manual_seed(seed)
-        model = Qwen3NextForCausalLM(qwen3_next_config(preset, vocab_size)).float().eval()
-        model.save_pretrained(out)
-        return model
+        return Qwen3NextForCausalLM(qwen3_next_config(preset, vocab_size)).float().eval()
     from transformers import KimiLinearForCausalLM
 
-    torch.manual_seed(seed)
     model = KimiLinearForCausalLM(kimi_linear_config(preset, vocab_size)).float().eval()
     with torch.no_grad():
         # The initialiser zeroes the score-correction bias; a non-zero one exercises
@@ -122,19 +193,82 @@ def init_model(arch: str, preset: str, out: str | Path, *, vocab_size: int = 512
             gate = getattr(layer.mlp, "gate", None)
             if gate is not None:
                 gate.e_score_correction_bias.normal_(0.0, 0.05)
-    model.save_pretrained(out)
+    return model
+
+
+def save_atomically(model, target: Path) -> None:
+    """save_pretrained into a temporary sibling folder, then rename it to `target`.
+
+    The target never holds a partial model: a failure removes the temporary
+    folder and leaves whatever was there before. Replacing an earlier model
+    takes two renames (old aside, new in, then the old one removed), so for
+    an instant the name is absent, but it never names a mixture of the two.
+    """
+    import shutil
+
+    target = target.absolute()
+    stem = f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    staging, old = target.parent / f"{stem}.tmp", target.parent / f"{stem}.old"
+    moved_aside = False
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(staging)
+        if target.is_dir() and any(target.iterdir()):
+            os.rename(target, old)
+            moved_aside = True
+        elif target.is_dir():
+            target.rmdir()      # an empty folder: rename cannot replace it on every platform
+        os.rename(staging, target)
+    except OSError as err:
+        raise OutputError(target, err.strerror or type(err).__name__,
+                          "free disk space, or check that the folder is writable") from None
+    finally:
+        # Also on an interrupt: the earlier model goes only once the new one is in place.
+        if moved_aside and target.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        elif moved_aside:
+            with contextlib.suppress(OSError):
+                os.rename(old, target)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def init_model(arch: str, preset: str, out: str | Path, *, vocab_size: int = 512, seed: int = 0,
+               replace: bool = False):
+    """Build, initialise and save a model to the folder `out`; returns it (float32, eval mode).
+
+    Every argument and the target are checked before any work (ValueError,
+    OutputError: one line each); the folder appears only when complete.
+    """
+    check_arguments(arch, preset, vocab_size, seed)
+    target = check_model_dir(out, replace=replace)
+    model = build_model(arch, preset, vocab_size, seed)
+    save_atomically(model, target)
     return model
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="harts init-model", description="Write a random model as a Hugging Face directory.")
+    parser = argparse.ArgumentParser(
+        prog="harts init-model", description="Write a random model as a Hugging Face directory.",
+        epilog="The output folder must be new or empty; an earlier init-model output there is replaced only with "
+               "--replace, and any other non-empty folder is refused. The folder appears only when complete "
+               "(written beside it, then renamed).")
     parser.add_argument("--arch", choices=ARCHITECTURES, default="kimi_linear", help="model family (default kimi_linear)")
     parser.add_argument("--preset", choices=PRESETS, default="tiny", help="model size (default tiny)")
-    parser.add_argument("--vocab-size", type=int, default=512, help="vocabulary size (default 512)")
-    parser.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
-    parser.add_argument("-o", "--output", required=True, help="directory to write (config.json + safetensors)")
+    parser.add_argument("--vocab-size", type=int, default=512,
+                        help=f"vocabulary size, {MIN_VOCAB} to {MAX_VOCAB:,} (default 512)")
+    parser.add_argument("--seed", type=int, default=0, help="initialisation seed, >= 0 (default 0)")
+    parser.add_argument("-o", "--output", required=True,
+                        help="folder to write (config.json + safetensors): new, empty, or an earlier init-model "
+                             "output with --replace")
+    parser.add_argument("--replace", action="store_true",
+                        help="replace an earlier harts init-model output at -o (never any other folder)")
     args = parser.parse_args(argv)
-    model = init_model(args.arch, args.preset, args.output, vocab_size=args.vocab_size, seed=args.seed)
+    try:
+        model = init_model(args.arch, args.preset, args.output, vocab_size=args.vocab_size, seed=args.seed,
+                           replace=args.replace)
+    except (ValueError, HartsError) as err:
+        print(f"harts init-model: {err}", file=sys.stderr)
+        return getattr(err, "exit_code", 2)
     params = sum(p.numel() for p in model.parameters())
     print(f"harts init-model: {args.arch} ({args.preset}), {params:,} parameters -> {args.output}", file=sys.stderr)
     return 0
