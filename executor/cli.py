@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -14,13 +15,25 @@ import torch
 from harts.executor.layout import MODES
 from harts.executor.losses import LOGPROB_POSITIONS, LOSSES, REDUCTIONS, LossConfig
 from harts.progress import quiet_library_progress, terminal_progress
-from harts.schema.errors import HartsError
-from harts.schema.atomic import atomic_write_bytes
+from harts.schema.atomic import atomic_write_files, check_output_path
+from harts.schema.errors import HartsError, OutputError
 from harts.schema.plan import read_plan
 
 
+def _load_errors() -> tuple[type[BaseException], ...]:
+    """What loading a damaged or foreign model directory raises, as opposed to a bug of ours.
+
+    A bad config.json gives OSError/ValueError/KeyError/TypeError; a truncated
+    or corrupted weights file gives safetensors' SafetensorError (which is no
+    OSError) or a torch RuntimeError (shape mismatch, short storage).
+    """
+    from safetensors import SafetensorError
+
+    return (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError)
+
+
 def load_model(model_dir: str, dtype: str = "float32"):
-    """Load from local disk only; one clear line when the directory is not a model."""
+    """Load from local disk only; one clear line when the directory is not a complete model."""
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise HartsError(f"{model_dir}: no config.json; fix: pass a Hugging Face model directory "
@@ -30,9 +43,11 @@ def load_model(model_dir: str, dtype: str = "float32"):
     quiet_library_progress()
     try:
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=getattr(torch, dtype))
-    except (OSError, ValueError, KeyError) as err:
-        raise HartsError(f"{model_dir}: cannot load the model ({str(err).splitlines()[0]}); "
-                         "fix: pass a complete Hugging Face model directory") from None
+    except _load_errors() as err:
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise HartsError(f"{model_dir}: cannot load the model ({type(err).__name__}: {first}); "
+                         "fix: pass a complete Hugging Face model directory (a truncated or damaged weights "
+                         "file must be copied again or re-created)") from None
     return model.train(False)
 
 
@@ -45,16 +60,63 @@ def model_device(choice: str) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def write_logprobs(path: str, logprobs: dict) -> None:
+def check_outputs(plan: str, model_dir: str, outputs: list[str]) -> None:
+    """Refuse, before any work, output paths that cannot become files (raises OutputError).
+
+    Besides `check_output_path`'s refusals: two outputs at one path (the second
+    would replace the first), and an output that is the plan or one of the
+    model directory's files (it would destroy an input).
+    """
+    try:
+        model_files = [f for f in Path(model_dir).iterdir() if f.is_file()]
+    except OSError:     # no such folder, or unreadable: load_model reports it in its own words
+        model_files = []
+    seen: set[str] = set()
+    for path in outputs:
+        check_output_path(path, inputs=(plan, *model_files))
+        key = os.path.abspath(path)
+        if key in seen:
+            raise OutputError(path, "--logprobs-out and --grads-out name the same file",
+                              "give each output its own file name")
+        seen.add(key)
+
+
+def logprobs_bytes(logprobs: dict) -> bytes:
+    """An .npz of one float32 array per trajectory, keyed by str(id)."""
     buffer = io.BytesIO()
     np.savez(buffer, **logprobs)
-    atomic_write_bytes(Path(path), buffer.getvalue())
+    return buffer.getvalue()
 
 
-def write_grads(path: str, grads: dict) -> None:
+def grads_bytes(grads: dict) -> bytes:
+    """A .safetensors of every parameter's gradient, keyed by parameter name."""
     from safetensors.torch import save
 
-    atomic_write_bytes(Path(path), save({k: v.detach().cpu().contiguous() for k, v in grads.items()}))
+    return save({k: v.detach().cpu().contiguous() for k, v in grads.items()})
+
+
+def write_outputs(result, logprobs_out: str | None, grads_out: str | None) -> None:
+    """Write the requested outputs as one: both files appear, or neither does."""
+    files = {}
+    if logprobs_out:
+        files[logprobs_out] = logprobs_bytes(result.logprobs)
+    if grads_out:
+        files[grads_out] = grads_bytes(result.grads)
+    if files:
+        atomic_write_files(files)
+
+
+def json_summary(summary: dict) -> tuple[str, list[str]]:
+    """The --json line, and the keys whose values were not finite.
+
+    JSON has no NaN or Infinity (strict parsers, e.g. Go's, Rust's serde_json
+    or JavaScript's JSON.parse, reject Python's `NaN` token), so a non-finite
+    number is written as null: the line always parses, and null tells the
+    consumer exactly which value diverged.
+    """
+    bad = sorted(k for k, v in summary.items() if isinstance(v, float) and not math.isfinite(v))
+    clean = {k: (None if k in bad else v) for k, v in summary.items()}
+    return json.dumps(clean, sort_keys=True, allow_nan=False), bad
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,24 +158,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def flag_conflict(args) -> str | None:
+    """The one-line complaint about flags that contradict each other, or None."""
+    if args.no_replay and args.mode == "expanded":
+        return "--no-replay has no meaning with --mode expanded (nothing is handed over); fix: drop one of them"
+    if args.forward_only and args.grads_out:
+        return "--grads-out needs the backward pass; fix: drop --forward-only"
+    return None
+
+
+def loss_config(args) -> LossConfig:
+    """The objective the flags ask for; ValueError (one line naming the flag) when a value is illegal."""
+    return LossConfig(kind=args.loss, clip_low=args.clip_low, clip_high=args.clip_high, kl_coef=args.kl_coef,
+                      moe_aux_coef=args.moe_aux_coef, moe_z_coef=args.moe_z_coef, reduction=args.reduction)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from harts.executor.runtime import run_step
 
     mode = "nodewise" if args.no_replay else args.mode
-    if args.no_replay and args.mode == "expanded":
-        print("harts run: --no-replay has no meaning with --mode expanded (nothing is handed over); "
-              "fix: drop one of them", file=sys.stderr)
+    conflict = flag_conflict(args)
+    if conflict:
+        print(f"harts run: {conflict}", file=sys.stderr)
         return 2
-    if args.forward_only and args.grads_out:
-        print("harts run: --grads-out needs the backward pass; fix: drop --forward-only", file=sys.stderr)
-        return 2
-    loss = LossConfig(kind=args.loss, clip_low=args.clip_low, clip_high=args.clip_high, kl_coef=args.kl_coef,
-                      moe_aux_coef=args.moe_aux_coef, moe_z_coef=args.moe_z_coef, reduction=args.reduction)
     from harts.executor import distributed
 
     primary = True
     try:
+        loss = loss_config(args)
+        # Every input check comes before the model loads and the step runs: a
+        # bad output path must not cost a whole step, nor leave one file of two.
+        check_outputs(args.plan, args.model, [p for p in (args.logprobs_out, args.grads_out) if p])
         plan = read_plan(args.plan)
         model = load_model(args.model, args.dtype)
         selected = None
@@ -126,20 +202,24 @@ def main(argv: list[str] | None = None) -> int:
                           progress=terminal_progress if primary else None, logprobs=args.logprobs)
         if selected is not None:
             distributed.all_reduce_result(result, model)
-        if primary and args.logprobs_out:
-            write_logprobs(args.logprobs_out, result.logprobs)
-        if primary and args.grads_out:
-            write_grads(args.grads_out, result.grads)
+        if primary:
+            write_outputs(result, args.logprobs_out, args.grads_out)
         if selected is not None:
             distributed.finish_data_parallel()
     except HartsError as err:
         print(f"harts run: {err}", file=sys.stderr)
         return err.exit_code
-    except ValueError as err:   # objective misuse, e.g. ppo without old_logprobs
+    except ValueError as err:   # objective misuse, e.g. ppo without old_logprobs, or an illegal loss flag
         print(f"harts run: {err}", file=sys.stderr)
         return 2
     if not primary:
         return 0
+    report(args, mode, plan, result)
+    return 0
+
+
+def report(args, mode: str, plan, result) -> None:
+    """The summary line on stderr, and with --json the summary object on stdout."""
     original = int(plan.step["original_tokens"])
     summary = {"mode": mode, "loss": result.loss, "objective": result.objective,
                "moe_aux_loss": result.moe_aux_loss, "moe_z_loss": result.moe_z_loss,
@@ -147,11 +227,14 @@ def main(argv: list[str] | None = None) -> int:
                "seconds": result.seconds,
                "tokens_per_second": original / result.seconds if result.seconds else 0.0}
     if args.json:
-        print(json.dumps(summary, sort_keys=True))
+        line, bad = json_summary(summary)
+        print(line)
+        if bad:
+            print(f"harts run: warning: {', '.join(bad)} not finite (NaN or infinity), written as null in --json",
+                  file=sys.stderr)
     windows = f" ({result.producers_run} window producers)" if result.producers_run else ""
     print(f"harts run: {mode}: loss {result.loss:.6f}, {original} tokens through {result.rows} decoder rows{windows} in "
           f"{result.seconds:.2f}s ({summary['tokens_per_second']:.0f} tokens/s)", file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ the whole step, so they never depend on how trajectories fall into microbatches)
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,16 @@ REDUCTIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 @dataclass(frozen=True, slots=True)
 class LossConfig:
+    """The objective of a step; every instance holds legal values (checked on construction).
+
+    Invariants: `kind` in LOSSES, `reduction` in REDUCTIONS, 0 <= clip_low < 1
+    (the lower clip bound 1 - clip_low stays positive, as a ratio is),
+    clip_high >= 0, and the three coefficients finite and >= 0. A NaN or an
+    infinity here would silently turn the loss and every gradient into NaN,
+    so it is refused with a ValueError that names the field, its `harts run`
+    flag and the fix.
+    """
+
     kind: str = "nll"          # nll | grpo | ppo
     clip_low: float = 0.2      # eps_low: ratio clipped below at 1 - clip_low
     clip_high: float = 0.2     # eps_high: ratio clipped above at 1 + clip_high
@@ -44,6 +56,36 @@ class LossConfig:
     moe_aux_coef: float = 0.0  # weight of the MoE load-balancing loss (0: reported only)
     moe_z_coef: float = 0.0    # weight of the router z-loss (0: reported only)
     reduction: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+
+    def __post_init__(self) -> None:
+        _check_choice("kind", "--loss", self.kind, LOSSES)
+        _check_choice("reduction", "--reduction", self.reduction, REDUCTIONS)
+        _check_number("clip_low", self.clip_low, upper=1.0,
+                      fix="pass --clip-low in [0, 1), e.g. 0.2 (the ratio is clipped below at 1 - clip_low)")
+        _check_number("clip_high", self.clip_high, fix="pass --clip-high >= 0, e.g. 0.2 or 0.28")
+        for name in ("kl_coef", "moe_aux_coef", "moe_z_coef"):
+            _check_number(name, getattr(self, name), fix=f"pass {_flag(name)} >= 0 (0 turns the term off)")
+
+
+def _flag(name: str) -> str:
+    """The `harts run` flag of a LossConfig field."""
+    return "--" + name.replace("_", "-")
+
+
+def _check_choice(name: str, flag: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"LossConfig.{name} ({flag}) must be one of {', '.join(allowed)}, got {value!r}; "
+                         f"fix: pick one of {', '.join(allowed)}")
+
+
+def _check_number(name: str, value, *, fix: str, upper: float | None = None) -> None:
+    """A finite real number >= 0 (and < `upper` when given); bools are not numbers here."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    if ok and upper is not None:
+        ok = value < upper
+    if not ok:
+        interval = f"in [0, {upper:g})" if upper is not None else "finite and >= 0"
+        raise ValueError(f"LossConfig.{name} ({_flag(name)}) must be {interval}, got {value!r}; fix: {fix}")
 
 
 # Which positions' log-probabilities a step recovers: every one, or only those the objective weighs.

@@ -1,0 +1,259 @@
+"""Bad input to `harts run`, `harts init-model` and `harts demo`: one line, exit 2, nothing half-written.
+
+Run: `python -m pytest tests/test_run_bad_input.py -q` (about a minute on two CPU cores).
+Why: these front ends sit at the end of an RL framework's pipeline; a
+traceback, a silently NaN loss, a JSON line a strict parser rejects, or one
+output file of two would each cost a training step or corrupt one. Most cases
+stop before the model runs; the few that need a step result fake it, so the
+file stays fast.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from harts.cli import main as harts
+from harts.compiler.cli import main as hartsc
+from harts.executor import cli as run_cli
+from harts.executor import runtime
+from harts.executor.losses import LossConfig
+from harts.executor.models import init_model as init_model_module
+from harts.schema.errors import OutputError
+
+TREES = [
+    {"id": "a", "tokens": [5, 6, 7, 8, 9, 10], "advantages": 0.5},
+    {"id": "b", "tokens": [5, 6, 7, 11, 12], "advantages": -0.5},
+]
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A tiny model and a plan without ref_logprobs, shared by the module's tests."""
+    folder = tmp_path_factory.mktemp("bad-run")
+    (folder / "trees.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TREES))
+    assert harts(["init-model", "--preset", "tiny", "--vocab-size", "64", "-o", str(folder / "model")]) == 0
+    assert hartsc([str(folder / "trees.jsonl"), "-o", str(folder / "step.plan"), "--chunk-size", "2",
+                   "--vocab-size", "64"]) == 0
+    return folder
+
+
+def one_line(capsys) -> str:
+    """The single stderr line a refused command prints (fails on a traceback or several lines)."""
+    err = capsys.readouterr().err.strip()
+    assert err and "\n" not in err and "Traceback" not in err, err
+    assert "fix:" in err, err
+    return err
+
+
+def run_argv(workspace, *flags, model=None) -> list[str]:
+    return ["run", str(workspace / "step.plan"), "--model", str(model or workspace / "model"), *flags]
+
+
+def fake_result() -> runtime.StepResult:
+    """A step result without running the model: the CLI's writing and reporting under test."""
+    logprobs = {r["id"]: np.full(len(r["tokens"]), -1.0, dtype=np.float32) for r in TREES}
+    return runtime.StepResult(logprobs=logprobs, loss=0.5, objective=0.5, grads={"w": torch.ones(2)},
+                              moe_load={}, moe_aux_loss=0.0, moe_z_loss=0.0, seconds=0.1, rows=9)
+
+
+# --------------------------------------------------------------------------- harts run: the model
+
+
+def test_truncated_weights_are_one_line_naming_the_model(workspace, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in os.listdir(workspace / "model"):
+        data = (workspace / "model" / name).read_bytes()
+        # Keep the header, cut the tensors: safetensors' "incomplete metadata".
+        (broken / name).write_bytes(data[: len(data) // 2] if name.endswith(".safetensors") else data)
+    assert harts(run_argv(workspace, model=broken)) == 2
+    err = one_line(capsys)
+    assert str(broken) in err and "cannot load the model" in err
+
+
+# --------------------------------------------------------------------------- harts run: outputs
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Output paths must be refused before the model loads: loading fails the test."""
+    def refuse(*_, **__):
+        raise AssertionError("the model was loaded before the output paths were checked")
+
+    monkeypatch.setattr(run_cli, "load_model", refuse)
+
+
+@pytest.mark.parametrize("outputs", [
+    ("lp.npz", "adir"), ("afile/lp.npz", None), ("same.out", "same.out"), ("step.plan", None),
+], ids=["grads-into-folder", "under-a-file", "same-path", "overwrites-plan"])
+def test_bad_output_paths_are_refused_before_the_model_loads(workspace, tmp_path, capsys, no_model_load, outputs):
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    before = sorted(os.listdir(tmp_path))
+    logprobs, grads = (None if p is None else str(workspace / p if p == "step.plan" else tmp_path / p)
+                       for p in outputs)
+    flags = ["--logprobs-out", logprobs] + (["--grads-out", grads] if grads else [])
+    assert harts(run_argv(workspace, *flags)) == 2
+    assert "cannot write" in one_line(capsys)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_a_model_file_as_output_is_refused(workspace, capsys, no_model_load):
+    target = workspace / "model" / "model.safetensors"
+    before = target.read_bytes()
+    assert harts(run_argv(workspace, "--grads-out", str(target))) == 2
+    assert "also an input" in one_line(capsys)
+    assert target.read_bytes() == before
+
+
+def test_logprobs_and_grads_appear_together_or_not_at_all(workspace, tmp_path, capsys, monkeypatch):
+    """The grads target turns into a folder while the step runs: no logprobs file may be left."""
+    lp, grads = tmp_path / "lp.npz", tmp_path / "g.safetensors"
+
+    def step_then_block_grads(plan, *_, **__):
+        grads.mkdir()
+        return fake_result()
+
+    monkeypatch.setattr(runtime, "run_step", step_then_block_grads)
+    assert harts(run_argv(workspace, "--logprobs-out", str(lp), "--grads-out", str(grads))) == 2
+    assert "cannot write" in one_line(capsys)
+    assert sorted(os.listdir(tmp_path)) == ["g.safetensors"] and not lp.exists()
+
+
+# --------------------------------------------------------------------------- harts run: the loss
+
+
+@pytest.mark.parametrize("flags", [
+    ["--loss", "grpo", "--clip-low", "nan"], ["--clip-low", "1"], ["--clip-low", "-0.1"],
+    ["--clip-high", "-1"], ["--clip-high", "inf"], ["--kl-coef", "nan"], ["--kl-coef", "-0.1"],
+    ["--moe-aux-coef", "inf"], ["--moe-z-coef", "-1"],
+], ids=lambda f: "=".join(f[-2:]))
+def test_illegal_loss_flags_are_one_line(workspace, capsys, no_model_load, flags):
+    assert harts(run_argv(workspace, "--json", *flags)) == 2
+    err = one_line(capsys)
+    assert flags[-2] in err and "LossConfig" in err
+
+
+@pytest.mark.parametrize("fields", [
+    {"kind": "sft"}, {"reduction": "sum"}, {"clip_low": math.nan}, {"clip_high": math.inf},
+    {"kl_coef": -1.0}, {"moe_aux_coef": math.nan}, {"moe_z_coef": True},
+], ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+def test_loss_config_refuses_illegal_fields(fields):
+    with pytest.raises(ValueError, match=rf"LossConfig\.{next(iter(fields))} .*; fix: "):
+        LossConfig(**fields)
+
+
+def strict_json(text: str):
+    """json.loads as strict parsers (Go, serde_json, JSON.parse) read it: no NaN, no Infinity."""
+    def refuse(token):
+        raise ValueError(f"not JSON: {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_never_prints_nan(workspace, capsys, monkeypatch):
+    """A diverged step (NaN loss) still prints strict JSON: null where the value is not finite."""
+    def diverged(plan, *_, **__):
+        result = fake_result()
+        result.loss, result.objective, result.moe_z_loss = math.nan, math.nan, math.inf
+        return result
+
+    monkeypatch.setattr(runtime, "run_step", diverged)
+    assert harts(run_argv(workspace, "--json")) == 0
+    out, err = capsys.readouterr()
+    summary = strict_json(out)
+    assert summary["loss"] is None and summary["objective"] is None and summary["moe_z_loss"] is None
+    assert summary["moe_aux_loss"] == 0.0 and summary["decoder_rows"] == 9
+    assert "written as null" in err
+
+
+def test_kl_coef_without_ref_logprobs_is_refused_as_the_contract_says(workspace, capsys):
+    """docs/input-contract.md quotes the exact line; the plan has no ref_logprobs."""
+    assert harts(run_argv(workspace, "--loss", "grpo", "--kl-coef", "0.1", "--forward-only")) == 2
+    err = one_line(capsys)
+    assert err.startswith("harts run: --kl-coef 0.1 needs ref_logprobs")
+    assert err in (DOCS / "input-contract.md").read_text()
+
+
+# --------------------------------------------------------------------------- harts init-model
+
+
+@pytest.mark.parametrize("flags", [
+    ["--vocab-size", "0"], ["--vocab-size", "-5"], ["--arch", "qwen3_next", "--vocab-size", "1"],
+    ["--vocab-size", str(2**31)], ["--seed", "-1"],
+], ids=["vocab-0", "vocab-negative", "qwen-vocab-1", "vocab-huge", "seed-negative"])
+def test_init_model_refuses_out_of_range_flags(tmp_path, capsys, flags):
+    assert harts(["init-model", *flags, "-o", str(tmp_path / "m")]) == 2
+    assert flags[-2] in one_line(capsys)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("target", ["afile", "afile/m", "notes"], ids=["a-file", "under-a-file", "foreign-folder"])
+def test_init_model_refuses_targets_it_must_not_write(tmp_path, capsys, target):
+    (tmp_path / "afile").write_text("keep")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep")
+    for replace in ([], ["--replace"]):
+        assert harts(["init-model", "-o", str(tmp_path / target), *replace]) == 2
+        assert "cannot write" in one_line(capsys)
+    assert sorted(os.listdir(tmp_path)) == ["afile", "notes"]
+    assert (tmp_path / "afile").read_text() == "keep" and os.listdir(tmp_path / "notes") == ["todo.txt"]
+
+
+def test_init_model_replaces_an_earlier_model_only_when_asked(tmp_path, capsys):
+    target = tmp_path / "m"
+    assert harts(["init-model", "--vocab-size", "16", "-o", str(target)]) == 0
+    capsys.readouterr()
+    assert harts(["init-model", "--vocab-size", "32", "-o", str(target)]) == 2
+    assert "--replace" in one_line(capsys)
+    assert json.loads((target / "config.json").read_text())["vocab_size"] == 16
+    assert harts(["init-model", "--vocab-size", "32", "-o", str(target), "--replace"]) == 0
+    assert json.loads((target / "config.json").read_text())["vocab_size"] == 32
+    assert os.listdir(tmp_path) == ["m"]
+
+
+class FailingModel:
+    """save_pretrained writes part of a model, then the disk fills up."""
+
+    def save_pretrained(self, folder):
+        Path(folder).mkdir()
+        (Path(folder) / "config.json").write_text("{}")
+        raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["new-folder", "replacing"])
+def test_a_failed_save_leaves_no_partial_model(tmp_path, earlier):
+    target = tmp_path / "m"
+    if earlier:
+        target.mkdir()
+        (target / "config.json").write_text('{"model_type": "kimi_linear"}')
+    with pytest.raises(OutputError, match="No space left"):
+        init_model_module.save_atomically(FailingModel(), target)
+    assert os.listdir(tmp_path) == (["m"] if earlier else [])
+    if earlier:
+        assert (target / "config.json").read_text() == '{"model_type": "kimi_linear"}'
+
+
+# --------------------------------------------------------------------------- harts demo
+
+
+@pytest.mark.parametrize("flags", [["--seed", "-1", "--no-model"], ["--seed", "-1"]], ids=["no-model", "model"])
+def test_demo_bad_seed_is_one_line_and_creates_nothing(tmp_path, capsys, flags):
+    assert harts(["demo", "--out", str(tmp_path / "out"), *flags]) == 2
+    assert "seed" in one_line(capsys)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("out", ["afile", "afile/demo"], ids=["a-file", "under-a-file"])
+def test_demo_out_that_cannot_be_a_folder_is_one_line(tmp_path, capsys, out):
+    (tmp_path / "afile").write_text("keep")
+    assert harts(["demo", "--out", str(tmp_path / out), "--no-model"]) == 2
+    assert "cannot write" in one_line(capsys)
+    assert os.listdir(tmp_path) == ["afile"] and (tmp_path / "afile").read_text() == "keep"
