@@ -41,6 +41,15 @@ def test_pooling_two_steps_sums_tokens_and_takes_the_least_step_total(two_steps)
     assert pooled["step_total_balance"] == min(s["step_total_balance"] for s in two_steps)
     assert min(s["balance"] for s in two_steps) <= pooled["balance"] <= max(s["balance"] for s in two_steps)
     assert pooled["least_decoder"] <= pooled["decoder_tokens"], "no plan beats the bound"
+    # Balance and P5 over both steps' slots and producers side by side, recounted column by column.
+    columns = [column for step in two_steps for grid in step["arrays"][:2] for column in grid.T.tolist()]
+    dp = len(columns[0])
+    assert pooled["balance"] == pytest.approx(sum(map(sum, columns)) / (dp * sum(map(max, columns))))
+    ratios = sorted(sum(c) / dp / max(c) for c in columns if max(c) > 0)
+    rank = 0.05 * (len(ratios) - 1)
+    low = int(rank)
+    want_p5 = ratios[low] + (ratios[min(low + 1, len(ratios) - 1)] - ratios[low]) * (rank - low)
+    assert pooled["balance_p5"] == pytest.approx(want_p5)
 
 
 def test_script_prints_a_row_per_planner_and_step_count():
