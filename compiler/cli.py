@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 from harts.compiler.passes.partition_ffd import SHARD_UNITS
-from harts.compiler.pipeline import LEVELS, PLANNERS, CompileOptions, compile_batch
+from harts.compiler.pipeline import LEVELS, PLANNERS, CompileOptions, check_options, compile_batch
 from harts.progress import terminal_progress
 from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
 from harts.schema.errors import HartsError
-from harts.schema.atomic import atomic_write_bytes
+from harts.schema.atomic import atomic_write_files, check_output_path
 from harts.schema.plan import encode_plan
 from harts.schema.summary import plan_statistics
 
@@ -62,23 +62,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    options = CompileOptions(dp=args.dp, capacity=args.capacity, chunk_size=args.chunk_size, planner=args.planner,
-                             levels=args.levels, seed=args.seed, vocab_size=args.vocab_size, verify=args.debug,
-                             ffd_time_budget=args.ffd_time_budget, ffd_first_feasible=args.ffd_first_feasible,
-                             ffd_shard=args.ffd_shard, pairs_per_token=args.pairs_per_token,
-                             max_window_slots=args.max_window_slots)
     try:
+        options = CompileOptions(dp=args.dp, capacity=args.capacity, chunk_size=args.chunk_size,
+                                 planner=args.planner, levels=args.levels, seed=args.seed,
+                                 vocab_size=args.vocab_size, verify=args.debug,
+                                 ffd_time_budget=args.ffd_time_budget, ffd_first_feasible=args.ffd_first_feasible,
+                                 ffd_shard=args.ffd_shard, pairs_per_token=args.pairs_per_token,
+                                 max_window_slots=args.max_window_slots)
+        # Flags and output paths are checked before the (possibly minutes-long) read and compile.
+        check_options(options)
+        output = check_output_path(args.output, inputs=[args.trees])
+        sidecar = check_output_path(timing_path(output), inputs=[args.trees])
         from harts.compiler.read_trees import read_trees
         t0 = time.perf_counter()
         batch = read_trees(args.trees, vocab_size=args.vocab_size, capacity=args.capacity)
         read_seconds = time.perf_counter() - t0
         result = compile_batch(batch, options, progress=terminal_progress)
-        data = encode_plan(result.plan)
-        atomic_write_bytes(Path(args.output), data)
         planning = result.planning_seconds
-        atomic_write_bytes(timing_path(args.output), json.dumps(
-            {"read_seconds": read_seconds, "planning_seconds": planning, "pass_seconds": result.pass_seconds},
-            indent=1, sort_keys=True).encode())
+        timing = {"read_seconds": read_seconds, "planning_seconds": planning, "pass_seconds": result.pass_seconds}
+        # One output: a plan without its sidecar (or the reverse) is never left behind.
+        atomic_write_files({output: encode_plan(result.plan),
+                            sidecar: json.dumps(timing, indent=1, sort_keys=True).encode()})
     except HartsError as err:
         print(f"hartsc: {err}", file=sys.stderr)
         return err.exit_code

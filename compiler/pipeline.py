@@ -16,6 +16,8 @@ function right after it runs (tests and `hartsc --debug`).
 """
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -36,7 +38,7 @@ from harts.compiler.passes.plan_replay import ReplayPlan, plan_replay, with_expo
 from harts.compiler.passes.plan_residual import ResidualPlan, plan_residual, verify_residual
 from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
 from harts.schema.errors import PassFailedError
-from harts.schema.plan import FORMAT, SCHEMA_VERSION, Plan
+from harts.schema.plan import FORMAT, MAX_CAPACITY, MAX_CHUNK_SIZE, MAX_PAIRS_PER_TOKEN, SCHEMA_VERSION, Plan
 
 COMPILER_NAME = "hartsc 0.1.0"
 PLANNERS = ("harts", "ffd")
@@ -153,7 +155,60 @@ def member_lcps(trie: TrieIR, members: np.ndarray) -> np.ndarray:
     return out
 
 
+# Integer options: (lowest, highest, fix). The plan's limits (schema.plan)
+# bound what readers accept; the seed is recorded in the plan header, whose
+# msgpack integers hold at most 64 bits (signed, to be safe for any reader).
+_INT32_MAX = 2**31 - 1
+_INTEGER_OPTIONS = {
+    "dp": (1, _INT32_MAX, "pass the number of data-parallel replicas, e.g. --dp 8"),
+    "capacity": (2, MAX_CAPACITY, "pass the compact tokens one microbatch holds (at least 2, at most 2**31 - 1), "
+                                  "e.g. --capacity 65536"),
+    "chunk_size": (1, MAX_CHUNK_SIZE, "pass the model kernel's chunk length, e.g. --chunk-size 64"),
+    "seed": (0, 2**63 - 1, "pass a seed in [0, 2**63), e.g. --seed 0"),
+    "vocab_size": (1, 2**31, "pass the model's vocabulary size (token ids are int32), or leave it out"),
+    "pairs_per_token": (0, MAX_PAIRS_PER_TOKEN,
+                        f"pass 0 to balance rows only, or the model's ratio (default {DEFAULT_PAIRS_PER_TOKEN})"),
+    "max_window_slots": (0, _INT32_MAX, "pass 0 for no limit, or the most slots one producer may serve"),
+}
+
+
+def _option_error(name: str, problem: str, fix: str) -> PassFailedError:
+    return PassFailedError("options", f"--{name.replace('_', '-')} {problem}", fix)
+
+
+def check_integer_options(options: CompileOptions) -> None:
+    """Every integer option is an int within its `_INTEGER_OPTIONS` range (vocab_size may be None).
+
+    A chunk longer than the capacity stays legal: it must match the model's
+    kernel, whatever the capacity (tiny test steps use the default 64).
+    """
+    for name, (lowest, highest, fix) in _INTEGER_OPTIONS.items():
+        value = getattr(options, name)
+        if value is None and name == "vocab_size":
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise _option_error(name, f"must be an integer, got {value!r}", fix)
+        if value < lowest:
+            raise _option_error(name, f"must be >= {lowest}, got {value}", fix)
+        if value > highest:
+            raise _option_error(name, f"must be <= {highest}, got {value}", fix)
+
+
+def _positive_finite(value) -> bool:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(float(value)) and value > 0
+    except OverflowError:   # an int too large for a double
+        return False
+
+
 def check_options(options: CompileOptions) -> None:
+    """Every option is legal, or one `PassFailedError` line naming the flag and the fix.
+
+    Cheap and independent of the input, so front ends run it before reading
+    anything (`hartsc` does; `compile_batch` runs it again for API callers).
+    """
     if options.planner not in PLANNERS:
         raise PassFailedError("options", f"unknown planner '{options.planner}'", f"use one of {', '.join(PLANNERS)}")
     if options.effective_levels not in LEVELS:
@@ -162,23 +217,15 @@ def check_options(options: CompileOptions) -> None:
         raise PassFailedError("options", "planner 'ffd' with levels 'l1+l2' is not implemented: the OR-Tools+FFD "
                               "comparison planner has no sharing windows",
                               "use --planner harts --levels l1+l2, or --planner ffd --levels l1")
-    if options.planner == "ffd":
-        if not (options.ffd_time_budget > 0 and np.isfinite(options.ffd_time_budget)):
-            raise PassFailedError("options", f"--ffd-time-budget must be a positive number of seconds, "
-                                  f"got {options.ffd_time_budget}", "pass e.g. --ffd-time-budget 10")
-        if options.ffd_shard not in SHARD_UNITS:
-            raise PassFailedError("options", f"unknown --ffd-shard '{options.ffd_shard}'",
-                                  f"use one of {', '.join(SHARD_UNITS)}")
-    if options.pairs_per_token < 0:
-        raise PassFailedError("options", f"--pairs-per-token must be >= 0, got {options.pairs_per_token}",
-                              f"pass 0 to balance rows only, or the model's ratio (default {DEFAULT_PAIRS_PER_TOKEN})")
-    if options.max_window_slots < 0:
-        raise PassFailedError("options", f"--max-window-slots must be >= 0, got {options.max_window_slots}",
-                              "pass 0 for no limit, or the most slots one producer may serve")
-    for name in ("dp", "capacity", "chunk_size"):
-        if getattr(options, name) < 1:
-            raise PassFailedError("options", f"--{name.replace('_', '-')} must be >= 1, got {getattr(options, name)}",
-                                  "pass a positive integer")
+    check_integer_options(options)
+    # Recorded in the plan header whichever planner runs, so checked for both.
+    budget = options.ffd_time_budget
+    if not _positive_finite(budget):
+        raise PassFailedError("options", f"--ffd-time-budget must be a positive number of seconds, "
+                              f"got {budget}", "pass e.g. --ffd-time-budget 10")
+    if options.planner == "ffd" and options.ffd_shard not in SHARD_UNITS:
+        raise PassFailedError("options", f"unknown --ffd-shard '{options.ffd_shard}'",
+                              f"use one of {', '.join(SHARD_UNITS)}")
 
 
 def compile_batch(batch: TrajectoryBatch, options: CompileOptions, progress=None) -> CompileResult:
