@@ -23,6 +23,8 @@ be surprised:
   executor keys per-trajectory outputs by `str(id)` (contract section 3).
 * Float fields must be finite after rounding to float32, the precision they
   are stored in (`1e39` would become inf).
+* Every line must be UTF-8, and `id` / `tree` strings must not hold a lone
+  surrogate escape (`"\\ud800"`): the plan stores them as UTF-8.
 
 Speed: a paper-scale step is ~43M tokens. Each line is parsed once by orjson
 and each per-token list becomes a numpy array in one C-level call; types and
@@ -103,10 +105,12 @@ def read_trees(path: str | os.PathLike, *, vocab_size: int | None = None,
     or unreadable file, a corrupted or truncated zstd stream, and a file with no
     trajectories. Returns a batch satisfying every `TrajectoryBatch` invariant.
     """
+    # Caller arguments, not file content: front ends check their flags first
+    # (`harts.compiler.pipeline.check_options`), so only API misuse gets here.
     if vocab_size is not None and vocab_size < 1:
-        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}; fix: pass the model's vocabulary size or None")
     if capacity is not None and capacity < 2:
-        raise ValueError(f"capacity must be >= 2, got {capacity}")
+        raise ValueError(f"capacity must be >= 2, got {capacity}; fix: pass the microbatch capacity or None")
     source = os.fspath(path)
     if isinstance(source, bytes):
         source = os.fsdecode(source)
@@ -295,18 +299,51 @@ def _loads_nonstandard(line: bytes, where: _Where, err: orjson.JSONDecodeError, 
     checks can then say e.g. "old_logprobs[3] = nan is not a finite float32".
     Each such literal is appended to `constants`. A line that only orjson
     rejects for another reason (a lone surrogate escape, very deep nesting) is
-    valid JSON and is read as such.
+    valid JSON and is read as such, except that `id` and `tree` may not hold a
+    lone surrogate (`_reject_lone_surrogates`). A line that is not UTF-8 is
+    reported as such, with the first bad byte.
     """
     def keep_constant(name: str) -> float:
         constants.append(name)
         return float(name)
 
     try:
-        return json.loads(line, parse_constant=keep_constant)
+        # Strict UTF-8 first: json.loads(bytes) would guess UTF-16 from a stray
+        # b"\xff\xfe" and let UTF-8-encoded surrogates through.
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        raise where.error(None, f"malformed JSON: the line is not valid UTF-8 (byte {bad.start + 1} is 0x{line[bad.start]:02x})",
+                          "save the file as UTF-8 (JSON text must be UTF-8)") from None
+    try:
+        obj = json.loads(text, parse_constant=keep_constant)
     except (ValueError, RecursionError):
         # orjson's column is the useful part: its "line 1" is always line 1 of this line.
         column = f" at column {err.colno}" if getattr(err, "colno", None) else ""
         raise where.error(None, f"malformed JSON: {err.msg}{column}", _FIX_LINE) from None
+    _reject_lone_surrogates(obj, where)
+    return obj
+
+
+def _reject_lone_surrogates(obj, where: _Where) -> None:
+    """The string fields a plan keeps (`id`, `tree`) must be encodable as UTF-8.
+
+    JSON's `\\ud800` escape can name half of a surrogate pair; Python's json
+    accepts it, but the plan (msgpack, UTF-8) cannot store the result. Fields
+    HARTS ignores may hold one: they never reach the plan.
+    """
+    if type(obj) is not dict:
+        return
+    for field in ("id", "tree"):
+        value = obj.get(field)
+        if type(value) is not str:
+            continue
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as bad:
+            raise where.error(field, f"holds a lone surrogate \\u{ord(value[bad.start]):04x} at index {bad.start} "
+                              "(half of a surrogate pair, not a character)",
+                              "escape a character beyond U+FFFF as a surrogate pair (e.g. \\ud83d\\ude00) "
+                              "or write it as UTF-8") from None
 
 
 def _parse_tokens(value, where: _Where, may_hold_bool: bool) -> np.ndarray:
@@ -404,7 +441,10 @@ def _parse_float_list(value, field: str, num_tokens: int, where: _Where,
     ok = (array is not None and array.ndim == 1 and array.dtype.kind in "iuf"
           and not (may_hold_bool and _holds_bool(value)))
     if ok:
-        array = array.astype(np.float32)
+        # Values beyond float32 become inf here and are reported below, one line
+        # per bad input; numpy's overflow warning would only add noise.
+        with np.errstate(over="ignore"):
+            array = array.astype(np.float32)
         ok = bool(np.isfinite(array).all())
     if not ok:
         for i, x in enumerate(value):
