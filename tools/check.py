@@ -74,7 +74,15 @@ def check_members(i: int, mb: dict, step: dict, trees_tokens) -> np.ndarray:
     offsets = step["token_offsets"]
     coverage = np.zeros(C, dtype=np.int64)
     runs = mb["member_run_offsets"]
-    for j, traj in enumerate(mb["member_trajectory"].tolist()):
+    members = np.asarray(mb["member_trajectory"], dtype=np.int64)
+    # Bounds first, so a damaged plan is reported rather than indexed out of range.
+    if len(members) and (members.min() < 0 or members.max() >= len(offsets) - 1):
+        bad = int(members[(members < 0) | (members >= len(offsets) - 1)][0])
+        fail(i, "members are trajectories of the step", f"member_trajectory holds {bad}, the step has "
+             f"{len(offsets) - 1} trajectories")
+    if len(runs) != len(members) + 1:
+        fail(i, "each member has its run offsets", f"{len(runs)} member_run_offsets for {len(members)} members")
+    for j, traj in enumerate(members.tolist()):
         lo, hi = runs[j], runs[j + 1]
         m = expand(mb["run_row_start"][lo:hi], mb["run_length"][lo:hi])
         n = int(offsets[traj + 1] - offsets[traj])
@@ -91,7 +99,7 @@ def check_members(i: int, mb: dict, step: dict, trees_tokens) -> np.ndarray:
         fail(i, "multiplicity counts occurrences", "row_multiplicity differs from the member paths")
     if np.any(coverage == 0):
         fail(i, "no orphan rows", f"row {int(np.flatnonzero(coverage == 0)[0])} belongs to no trajectory")
-    return mb["member_trajectory"]
+    return members
 
 
 def check_sequences(i: int, mb: dict, chunk_size: int) -> None:
@@ -182,6 +190,10 @@ def check_segments(i: int, mb: dict) -> None:
 def check_plan(plan: Plan, trees_tokens: np.ndarray | None = None, trees_offsets: np.ndarray | None = None) -> None:
     flags, step = plan.flags, plan.step
     dp, capacity, chunk_size = int(flags["dp"]), int(flags["capacity"]), int(flags["chunk_size"])
+    num_trajectories = int(step["num_trajectories"])
+    if len(step["token_offsets"]) != num_trajectories + 1:
+        raise VerificationError("token_offsets has one entry per trajectory, plus one",
+                                f"{len(step['token_offsets'])} entries for {num_trajectories} trajectories")
     if trees_offsets is not None and not np.array_equal(trees_offsets, step["token_offsets"]):
         raise VerificationError("plan matches --trees", "trajectory lengths differ from the input file")
     K = len(plan.microbatches)
@@ -190,7 +202,7 @@ def check_plan(plan: Plan, trees_tokens: np.ndarray | None = None, trees_offsets
     grid = {(int(mb["replica"]), int(mb["slot"])) for mb in plan.microbatches}
     if len(grid) != K or grid != {(d, j) for d in range(dp) for j in range(K // dp)}:
         raise VerificationError("microbatches form a replica x slot grid", "a (replica, slot) pair is missing or repeated")
-    seen = np.zeros(int(step["num_trajectories"]), dtype=np.int64)
+    seen = np.zeros(num_trajectories, dtype=np.int64)
     for i, mb in enumerate(plan.microbatches):
         check_rows(i, mb, capacity)
         members = check_members(i, mb, step, trees_tokens)

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from harts.schema.errors import HartsError
-from harts.schema.atomic import atomic_write_bytes
+from harts.schema.atomic import atomic_write_bytes, check_output_path
 from harts.schema.plan import Plan, read_plan
 from harts.schema.summary import plan_statistics
 from harts.tools.stats import read_planning_seconds
@@ -656,9 +656,11 @@ def main(argv: list[str] | None = None) -> int:
                                        "of the first microbatch")
     args = parser.parse_args(argv)
     try:
+        # Before the plan is read: a bad -o (a folder, the plan itself) costs nothing.
+        output = check_output_path(args.output, inputs=[args.plan])
         plan = read_plan(args.plan)
         page = render_report(plan, Path(args.plan).name, args.tree, read_planning_seconds(args.plan))
-        atomic_write_bytes(Path(args.output), page.encode("utf-8"))
+        atomic_write_bytes(output, page.encode("utf-8"))
     except HartsError as err:
         print(f"harts viz: {err}", file=sys.stderr)
         return err.exit_code
