@@ -124,6 +124,14 @@ def break_segment_parent(plan, mb):
     mb["segment_parent"][child] = -1
 
 
+def break_member_range(plan, mb):
+    mb["member_trajectory"][0] = plan.step["num_trajectories"]
+
+
+def break_token_offsets(plan, mb):
+    plan.step["token_offsets"] = plan.step["token_offsets"][:-2]
+
+
 CASES = {
     "segment-level": (break_segment_level, "segment level"),
     "segment-parent": (break_segment_parent, "hangs below its parent segment"),
@@ -139,6 +147,9 @@ CASES = {
     "start-state": (break_start_state, "starts from the state after the row before its anchor"),
     "grid": (break_grid, "replica x slot grid"),
     "membership": (break_membership, "every trajectory is in exactly one microbatch"),
+    # Damage that used to crash the checker with an IndexError: it reports instead.
+    "member-range": (break_member_range, "members are trajectories of the step"),
+    "token-offsets": (break_token_offsets, "token_offsets has one entry per trajectory"),
 }
 
 

@@ -1,0 +1,282 @@
+"""Bad input of every kind gets one line and exit status 2, never a traceback, and writes nothing.
+
+Run: `python -m pytest tests/test_bad_input.py -q`. Covers `hartsc`'s output
+paths and numeric flags (checked before the input is read), strings and
+bytes the reader must refuse (lone surrogates, non-UTF-8 lines, floats beyond
+float32 without numpy's warnings), and plans that pass their checksum but are
+damaged inside: every tool (`stats`, `check`, `diff`, `viz`) names the
+record and field in one line. Damaged plans are made with the project's own
+`decode_plan` / `encode_plan`, so only the structure is wrong.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+import harts.compiler.read_trees as read_trees_module
+from harts.api import compile_trajectories
+from harts.cli import main as harts_main
+from harts.compiler.cli import main as hartsc_main
+from harts.compiler.cli import timing_path
+from harts.compiler.ir.trajectories import TrajectoryBatch
+from harts.compiler.pipeline import CompileOptions, compile_batch
+from harts.compiler.read_trees import read_trees
+from harts.schema.errors import HartsError, InputError, PassFailedError, PlanFormatError
+from harts.schema.plan import decode_plan, encode_plan, read_plan
+
+# Six trajectories sharing a 40-token prefix, one per microbatch at capacity 70:
+# with --levels l1+l2 and --dp 2 the plan has producers and residual calls.
+PREFIX = list(range(1, 41))
+TREES = [{"id": f"t{k}", "tokens": PREFIX + [100 + 20 * k + j for j in range(20)], "tree": "a"} for k in range(6)]
+COMPILE_FLAGS = ["--dp", "2", "--capacity", "70", "--chunk-size", "8"]
+
+
+def write_lines(path, lines: list[bytes]):
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    return path
+
+
+def write_trees(path, records=TREES):
+    return write_lines(path, [json.dumps(r).encode() for r in records])
+
+
+def one_line(capsys, prefix: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(prefix) and "fix:" in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.fixture
+def unread(monkeypatch):
+    """Fails the test if hartsc reads its input: these errors must come first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("hartsc read the input before checking its flags and output")
+    monkeypatch.setattr(read_trees_module, "read_trees", refuse)
+
+
+# --- hartsc: output paths -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case, words", [
+    ("folder", "names a folder"),
+    ("under-a-file", "is a file, not a folder"),
+    ("empty", "output path is empty"),
+    ("trailing-slash", "names a folder"),
+    ("the-input", "also an input"),
+    ("sidecar-is-a-folder", "names a folder"),
+])
+def test_bad_output_path_is_one_line_before_reading(tmp_path, capsys, unread, case, words):
+    trees = write_trees(tmp_path / "trees.jsonl")
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("keep")
+    output = {"folder": tmp_path / "adir", "under-a-file": tmp_path / "afile" / "x.plan", "empty": "",
+              "trailing-slash": f"{tmp_path / 'newdir'}/", "the-input": trees,
+              "sidecar-is-a-folder": tmp_path / "p.plan"}[case]
+    if case == "sidecar-is-a-folder":
+        timing_path(output).mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert hartsc_main([str(trees), "-o", str(output)]) == 2
+    assert words in one_line(capsys, "hartsc: cannot write")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert trees.read_bytes() == write_trees(tmp_path / "again.jsonl").read_bytes()
+    assert (tmp_path / "afile").read_text() == "keep"
+
+
+def test_plan_and_sidecar_are_written_all_or_none(tmp_path, capsys, monkeypatch):
+    """A sidecar that cannot be written at write time leaves no plan behind (and no traceback)."""
+    import harts.compiler.cli as cli
+    trees = write_trees(tmp_path / "trees.jsonl")
+    plan = tmp_path / "p.plan"
+    timing_path(plan).mkdir()
+    # Skip the up-front check, as if the folder appeared while compiling.
+    monkeypatch.setattr(cli, "check_output_path", lambda path, inputs=(): plan.__class__(path))
+    assert hartsc_main([str(trees), "-o", str(plan)]) == 2
+    assert "cannot write" in one_line(capsys, "hartsc: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.plan.timing.json", "trees.jsonl"]
+    assert not list(timing_path(plan).iterdir())
+
+
+# --- hartsc: numeric flags ------------------------------------------------------------------------
+
+HUGE = str(10**20)
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--capacity", "0"), ("--capacity", "1"), ("--capacity", "-5"), ("--capacity", HUGE),
+    ("--vocab-size", "0"), ("--vocab-size", "-1"), ("--vocab-size", HUGE),
+    ("--chunk-size", "0"), ("--chunk-size", HUGE),
+    ("--seed", "-1"), ("--seed", HUGE), ("--seed", str(2**63)),
+    ("--dp", "0"), ("--dp", HUGE),
+    ("--pairs-per-token", HUGE), ("--max-window-slots", HUGE),
+    ("--ffd-time-budget", "-1"), ("--ffd-time-budget", "nan"), ("--ffd-time-budget", "inf"),
+])
+def test_bad_number_is_one_line_naming_the_flag_before_reading(tmp_path, capsys, unread, flag, value):
+    trees = write_trees(tmp_path / "trees.jsonl")
+    assert hartsc_main([str(trees), "-o", str(tmp_path / "p.plan"), flag, value]) == 2
+    assert flag in one_line(capsys, "hartsc: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trees.jsonl"]
+
+
+def test_largest_seed_compiles_and_reads_back(tmp_path):
+    trees = write_trees(tmp_path / "trees.jsonl")
+    plan = tmp_path / "p.plan"
+    assert hartsc_main([str(trees), "-o", str(plan), "--seed", str(2**63 - 1)]) == 0
+    assert read_plan(plan).flags["seed"] == 2**63 - 1
+
+
+@pytest.mark.parametrize("options", [dict(capacity=10**20), dict(chunk_size=10**20), dict(vocab_size=0),
+                                     dict(pairs_per_token=10**20), dict(dp=0)])
+def test_python_api_refuses_bad_options_with_a_fix(options):
+    tokens = [t["tokens"] for t in TREES]
+    with pytest.raises((ValueError, HartsError)) as info:
+        compile_trajectories(tokens, **options)
+    assert "fix" in str(info.value)
+
+
+def test_compile_options_refuse_a_seed_the_plan_cannot_store():
+    batch = TrajectoryBatch.from_token_lists([t["tokens"] for t in TREES])
+    with pytest.raises(PassFailedError, match="--seed"):
+        compile_batch(batch, CompileOptions(seed=2**64))
+    with pytest.raises(PassFailedError, match="--capacity must be an integer"):
+        compile_batch(batch, CompileOptions(capacity=70.5))
+
+
+# --- the reader: strings and bytes ----------------------------------------------------------------
+
+@pytest.mark.parametrize("line, field, words", [
+    (rb'{"id": "\ud800", "tokens": [1, 2, 3]}', "id", "lone surrogate"),
+    (rb'{"id": 1, "tree": "\udfff", "tokens": [1, 2, 3]}', "tree", "lone surrogate"),
+    (rb'{"id": "a\udc00b", "tokens": [1, 2, 3]}', "id", "lone surrogate"),
+    (b'\xff\xfe{"id": 2, "tokens": [1, 2]}', None, "not valid UTF-8 (byte 1 "),
+    (b'{"id": "a\xff\xfeb", "tokens": [1, 2]}', None, "not valid UTF-8 (byte 10 "),
+    (b'{"id": "a\xed\xa0\x80b", "tokens": [1, 2]}', None, "not valid UTF-8"),   # a surrogate, UTF-8 encoded
+])
+def test_strings_a_plan_cannot_hold_are_refused_on_their_line(tmp_path, capsys, line, field, words):
+    trees = write_lines(tmp_path / "trees.jsonl", [b'{"id": 0, "tokens": [1, 2, 3]}', line])
+    with pytest.raises(InputError) as info:
+        read_trees(trees)
+    assert info.value.line == 2 and info.value.field == field and words in str(info.value)
+    assert hartsc_main([str(trees), "-o", str(tmp_path / "p.plan")]) == 2
+    assert "trees.jsonl:2: " in one_line(capsys, "hartsc: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trees.jsonl"]
+
+
+def test_surrogates_that_never_reach_the_plan_are_fine(tmp_path):
+    trees = write_lines(tmp_path / "trees.jsonl", [rb'{"id": "\ud83d\ude00", "tokens": [1, 2, 3]}',
+                                                  rb'{"id": 2, "tokens": [1, 2], "note": "\ud800"}'])
+    assert read_trees(trees).ids == ("\U0001f600", 2)
+
+
+@pytest.mark.parametrize("field, values", [("ref_logprobs", "[0, 1e39, 0]"), ("old_logprobs", "[0, 1e53, 1]"),
+                                           ("advantages", "[0, -1e300, 1]")])
+def test_float_beyond_float32_is_one_error_without_numpy_warnings(tmp_path, field, values):
+    trees = write_lines(tmp_path / "trees.jsonl", [f'{{"id": 1, "tokens": [1, 2, 3], "{field}": {values}}}'.encode()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # numpy's RuntimeWarning would surface as an exception here
+        with pytest.raises(InputError, match=rf"{field}\[1\] = .* is not a finite float32"):
+            read_trees(trees)
+
+
+# --- damaged plans --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def good_plan(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("damaged")
+    trees = write_trees(folder / "trees.jsonl")
+    path = folder / "good.plan"
+    assert hartsc_main([str(trees), "-o", str(path), *COMPILE_FLAGS]) == 0
+    plan = read_plan(path)
+    assert plan.producers and all("residual_token_rows" in mb for mb in plan.microbatches), \
+        "the fixture must exercise producers and residual calls"
+    return path
+
+
+def _rows(mb):
+    return len(mb["row_token"])
+
+
+def _run_past_rows(plan):
+    """Move the last run so that it ends one row past the microbatch's rows."""
+    mb = plan.microbatches[0]
+    mb["run_row_start"][-1] = _rows(mb) - mb["run_length"][-1] + 1
+
+
+# (what is damaged, how, words the one line must hold)
+DAMAGE = {
+    "flags-dp-type": (lambda p: p.header["flags"].update(dp="2"), "flags: field 'dp'"),
+    "flags-dp-beyond-microbatches": (lambda p: p.header["flags"].update(dp=10**6), "flags: field 'dp'"),
+    "flags-chunk-missing": (lambda p: p.header["flags"].pop("chunk_size"), "field 'chunk_size': missing"),
+    "step-offsets-short": (lambda p: p.step.update(token_offsets=p.step["token_offsets"][:-2]),
+                           "step: field 'token_offsets'"),
+    "step-ids-unhashable": (lambda p: p.step["ids"].__setitem__(0, [1]), "step: field 'ids'"),
+    "step-loss-mask-short": (lambda p: p.step.update(loss_mask=p.step["loss_mask"][:-1]), "step: field 'loss_mask'"),
+    "mb-not-a-map": (lambda p: p.microbatches.__setitem__(1, [1, 2]), "microbatch 1 is list"),
+    "mb-replica": (lambda p: p.microbatches[1].update(replica=2), "microbatch 1: field 'replica'"),
+    "mb-slot": (lambda p: p.microbatches[1].update(slot=10**12), "microbatch 1: field 'slot'"),
+    "mb-missing-key": (lambda p: p.microbatches[2].pop("export_row"), "microbatch 2: field 'export_row': missing"),
+    "mb-row-parent": (lambda p: p.microbatches[0]["row_parent"].__setitem__(3, _rows(p.microbatches[0])),
+                      "microbatch 0: field 'row_parent'"),
+    "mb-rows-inconsistent": (lambda p: p.microbatches[0].update(row_position=p.microbatches[0]["row_position"][:-1]),
+                             "microbatch 0: field 'row_position'"),
+    "mb-row-token-2d": (lambda p: p.microbatches[0].update(row_token=p.microbatches[0]["row_token"].reshape(1, -1)),
+                        "microbatch 0: field 'row_token'"),
+    "mb-row-token-float": (lambda p: p.microbatches[0].update(row_token=p.microbatches[0]["row_token"] * 1.0),
+                           "microbatch 0: field 'row_token'"),
+    "mb-member-trajectory": (lambda p: p.microbatches[3]["member_trajectory"].__setitem__(0, 6),
+                             "microbatch 3: field 'member_trajectory'"),
+    "mb-run-length": (lambda p: p.microbatches[0]["run_length"].__setitem__(0, 10**12),
+                      "microbatch 0: field 'run_length'"),
+    "mb-run-past-rows": (_run_past_rows, "microbatch 0: field 'run_length': a run ends past"),
+    "mb-replay-offsets": (lambda p: p.microbatches[0].update(sequence_replay_offsets=np.zeros(1, np.int64)),
+                          "microbatch 0: field 'sequence_replay_offsets'"),
+    "mb-start-state": (lambda p: p.microbatches[0]["sequence_start_state"].__setitem__(0, 99),
+                       "microbatch 0: field 'sequence_start_state'"),
+    "mb-residual-rows": (lambda p: p.microbatches[0]["residual_token_rows"].__setitem__(0, -1),
+                         "microbatch 0: field 'residual_token_rows'"),
+    "producer-replica": (lambda p: p.producers[1].update(replica=-1), "producer 1: field 'replica'"),
+    "producer-prefix": (lambda p: p.producers[0]["prefix_trajectory"].__setitem__(0, 99),
+                        "producer 0: field 'prefix_trajectory'"),
+}
+
+
+def damaged(good, tmp_path, case: str):
+    plan = decode_plan(good.read_bytes(), str(good))
+    plan = type(plan)(header=plan.header, step=plan.step, summary=plan.summary,
+                      microbatches=[{k: v.copy() if isinstance(v, np.ndarray) else v for k, v in mb.items()}
+                                    for mb in plan.microbatches],
+                      producers=[{k: v.copy() if isinstance(v, np.ndarray) else v for k, v in pr.items()}
+                                 for pr in plan.producers])
+    DAMAGE[case][0](plan)
+    path = tmp_path / "damaged.plan"
+    path.write_bytes(encode_plan(plan))   # a valid checksum: only the structure is wrong
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_damaged_plan_is_one_line_in_every_tool(good_plan, tmp_path, capsys, case):
+    path = damaged(good_plan, tmp_path, case)
+    words = DAMAGE[case][1]
+    with pytest.raises(PlanFormatError, match="fix: recompile the plan") as info:
+        read_plan(path)
+    assert words in str(info.value) and str(path) in str(info.value)
+    for name, argv in (("stats", [str(path)]), ("check", [str(path)]), ("diff", [str(good_plan), str(path)]),
+                       ("viz", [str(path), "-o", str(tmp_path / "page.html")])):
+        assert harts_main([name, *argv]) == 2, name
+        assert words in one_line(capsys, f"harts {name}: "), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged.plan"]
+
+
+def test_the_fixture_plan_passes_every_tool(good_plan, tmp_path, capsys):
+    for name, argv in (("stats", [str(good_plan)]), ("check", [str(good_plan)]),
+                       ("diff", [str(good_plan), str(good_plan)]),
+                       ("viz", [str(good_plan), "-o", str(tmp_path / "page.html")])):
+        assert harts_main([name, *argv]) == 0, name
+
+
+def test_viz_refuses_to_overwrite_its_plan(good_plan, capsys):
+    before = good_plan.read_bytes()
+    assert harts_main(["viz", str(good_plan), "-o", str(good_plan)]) == 2
+    assert "also an input" in one_line(capsys, "harts viz: cannot write")
+    assert good_plan.read_bytes() == before
