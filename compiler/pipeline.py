@@ -38,7 +38,8 @@ from harts.compiler.passes.plan_replay import ReplayPlan, plan_replay, with_expo
 from harts.compiler.passes.plan_residual import ResidualPlan, plan_residual, verify_residual
 from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
 from harts.schema.errors import PassFailedError
-from harts.schema.plan import FORMAT, MAX_CAPACITY, MAX_CHUNK_SIZE, MAX_PAIRS_PER_TOKEN, SCHEMA_VERSION, Plan
+from harts.schema.plan import FORMAT, SCHEMA_VERSION, Plan
+from harts.schema.plan_structure import MAX_CAPACITY, MAX_CHUNK_SIZE, MAX_PAIRS_PER_TOKEN
 
 COMPILER_NAME = "hartsc 0.1.0"
 PLANNERS = ("harts", "ffd")

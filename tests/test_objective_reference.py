@@ -176,10 +176,11 @@ def test_moe_terms_and_loads_match_the_definition_on_hugging_face(model, step):
     want_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
 
-    assert result.moe_aux_loss == pytest.approx(float(aux), rel=1e-5)
-    assert result.moe_z_loss == pytest.approx(float(z), rel=1e-5)
-    assert result.objective == pytest.approx(float(nll + aux_coef * aux + z_coef * z), rel=1e-5)
-    assert math.isclose(result.loss, float(nll), rel_tol=1e-5)
+    aux, z, nll = float(aux.detach()), float(z.detach()), float(nll.detach())
+    assert result.moe_aux_loss == pytest.approx(aux, rel=1e-5)
+    assert result.moe_z_loss == pytest.approx(z, rel=1e-5)
+    assert result.objective == pytest.approx(nll + aux_coef * aux + z_coef * z, rel=1e-5)
+    assert math.isclose(result.loss, nll, rel_tol=1e-5)
     floor = gradient_floor(want_grads)
     worst = max((relative_error(result.grads[n], g, floor), n) for n, g in want_grads.items())
     assert worst[0] <= 1e-4, worst
