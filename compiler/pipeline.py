@@ -156,7 +156,7 @@ def member_lcps(trie: TrieIR, members: np.ndarray) -> np.ndarray:
     return out
 
 
-# Integer options: (lowest, highest, fix). The plan's limits (schema.plan)
+# Integer options: (lowest, highest, fix). The plan's limits (schema.plan_structure)
 # bound what readers accept; the seed is recorded in the plan header, whose
 # msgpack integers hold at most 64 bits (signed, to be safe for any reader).
 _INT32_MAX = 2**31 - 1
