@@ -36,7 +36,6 @@ MAX_PAIRS_PER_TOKEN = 2**32
 # them cannot overflow.
 _INT32_END = 2**31
 # Tables of a microbatch or producer, by the length they share.
-_ROW_KEYS = ("row_token", "row_position", "row_parent")
 _SEQUENCE_KEYS = ("sequence_round", "sequence_row_start", "sequence_num_rows", "sequence_start_position",
                   "sequence_start_state")
 _EXPORT_KEYS = ("export_row", "export_sequence", "export_chunk")

@@ -30,14 +30,11 @@ from torch.autograd.function import once_differentiable
 
 from .views import AttentionViews
 
+from harts.executor.ops.dtypes import compute_dtype_for
+
 # 1024 keeps one float32 score tile of 32 heads at 128 MiB while making the
 # matmuls big enough that Python overhead per tile is negligible.
 DEFAULT_BLOCK_TOKENS = 1024
-
-
-def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; float32, bfloat16 and float16 compute in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def check_inputs(q, k, v, views, scale, block_tokens) -> None:

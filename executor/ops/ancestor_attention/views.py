@@ -107,11 +107,6 @@ class AttentionViews:
                               view_run_offsets=view_run_offsets, run_row_start=self.run_row_start[runs],
                               run_length=self.run_length[runs], query_slot=slot)
 
-    @property
-    def num_key_tokens(self) -> int:
-        """Total key path length: the trajectory-expanded size the op never materialises at once."""
-        return int(self.view_length.sum())
-
     @classmethod
     def from_microbatch(cls, microbatch: dict) -> "AttentionViews":
         """Views of one `plan.microbatches[i]` dict (schema v1 keys)."""

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from harts.executor.ops.dtypes import compute_dtype_for
+
 # Inside the square root, as fla's l2norm and both transformers fallbacks do
 # (F.normalize would clamp the norm instead: a different function near zero).
 L2NORM_EPS = 1e-6
@@ -28,11 +30,6 @@ class RoundHost:
     export_seq: list[int]  # per export: which sequence
     export_chunk: list[int]  # per export: after how many chunks of it
     gate_per_channel: bool  # g is [N, H, K] (KDA) rather than [N, H] (Gated DeltaNet)
-
-
-def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; float32, bfloat16 and float16 compute in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _shape(x: torch.Tensor) -> str:

@@ -23,12 +23,9 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
+from harts.executor.ops.dtypes import compute_dtype_for
+
 ACTIVATIONS = (None, "silu", "swish")  # transformers' ACT2FN: "swish" is SiLU too
-
-
-def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; float32, bfloat16 and float16 compute in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def conv_context(row_parent: np.ndarray | torch.Tensor, kernel_size: int,
@@ -57,7 +54,7 @@ def conv_context(row_parent: np.ndarray | torch.Tensor, kernel_size: int,
     return torch.stack(columns[::-1], dim=1)
 
 
-def _weight_CW(weight: torch.Tensor) -> torch.Tensor:
+def weight_CW(weight: torch.Tensor) -> torch.Tensor:
     """Accept the kernels' [C, W] and nn.Conv1d's [C, 1, W] layouts."""
     return weight[:, 0, :] if weight.dim() == 3 else weight
 
@@ -154,7 +151,7 @@ def short_conv(
     """
     check_inputs(x, weight, bias, context, activation)
     dtype = compute_dtype_for(x.dtype)
-    w_CW = _weight_CW(weight).to(dtype)
+    w_CW = weight_CW(weight).to(dtype)
     b_C = bias.to(dtype) if bias is not None else None
     y_RC = _ShortConv.apply(x.to(dtype), w_CW, b_C, context.to(torch.long), activation is not None)
     return y_RC.to(x.dtype)

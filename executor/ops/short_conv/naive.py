@@ -14,7 +14,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .gather import _weight_CW, compute_dtype_for
+from harts.executor.ops.dtypes import compute_dtype_for
+
+from .gather import weight_CW
 
 
 def member_paths(member_own_start, member_run_offsets, run_row_start, run_length):
@@ -40,7 +42,7 @@ def naive_short_conv(
 ) -> torch.Tensor:
     """`short_conv`'s function, computed per trajectory from the plan's member arrays; returns [R, C]."""
     dtype = compute_dtype_for(x.dtype)
-    w_C1W = _weight_CW(weight).to(dtype)[:, None, :]
+    w_C1W = weight_CW(weight).to(dtype)[:, None, :]
     taps = w_C1W.shape[-1]
     b_C = bias.to(dtype) if bias is not None else None
     outputs, rows = [], []
