@@ -104,6 +104,16 @@ class _Record:
                            "or a decrease)")
         return value
 
+    def reads_earlier_rounds(self, state_key: str, export_sequence_key: str, round_key: str) -> None:
+        """Every start state (index >= 0 into the exports) is exported by a sequence of an earlier round."""
+        states = self.get(state_key)
+        reads = states >= 0
+        if reads.any():
+            rounds = self.get(round_key)
+            exporter_round = rounds[self.get(export_sequence_key)[states[reads]]]
+            if np.any(exporter_round >= rounds[reads]):
+                self.fail(state_key, "a sequence starts from a state exported in its own or a later round")
+
     def same_length(self, keys: tuple) -> int:
         """The shared length of `keys`' 1-D integer arrays (the first one's)."""
         length = len(self.array(keys[0]))
@@ -124,6 +134,9 @@ def validate_plan(plan: Plan, source: str = "<plan>") -> None:
     `window` in [0, K), and every index within what it indexes: rows, parents
     (-1 or a row), sequences, exports, runs (start + length within the rows),
     segments, trajectories, and offset tables from 0 to their table's size.
+    A sequence's start state is exported in an earlier round, a segment's
+    parent precedes it, at most one producer serves a (replica, window), and a
+    consumer's cached rows and producer start states index that producer.
 
     Cost: a few vectorised passes (min, max, one comparison) per array and a
     Python loop over trajectory ids only, no per-row Python: small next to
@@ -146,21 +159,26 @@ def validate_plan(plan: Plan, source: str = "<plan>") -> None:
     if not isinstance(plan.step, dict):
         raise PlanFormatError(f"{source}: 'step' is {type(plan.step).__name__}, not a map; fix: {_FIX}")
     trajectories = _validate_step(_Record(source, "step", plan.step))
-    for i, mb in enumerate(microbatches):
-        record = _as_record(source, f"microbatch {i}", mb)
-        record.integer("replica", 0, dp)
-        record.integer("slot", 0, count)
-        if "window" in mb:
-            record.integer("window", 0, count)
-        _validate_computation(record, trajectories, consumer=True)
+    # (replica, window) -> (rows, exports) of its producer: what a consumer's cached rows index.
+    served: dict[tuple[int, int], tuple[int, int]] = {}
     if plan.producers is not None:
         if not isinstance(plan.producers, list):
             raise PlanFormatError(f"{source}: 'producers' is {type(plan.producers).__name__}, not a list; fix: {_FIX}")
         for p, producer in enumerate(plan.producers):
             record = _as_record(source, f"producer {p}", producer)
-            record.integer("replica", 0, dp)
-            record.integer("window", 0, max(count, 1))
+            key = (record.integer("replica", 0, dp), record.integer("window", 0, max(count, 1)))
             _validate_computation(record, trajectories, consumer=False)
+            if key in served:
+                record.fail("window", f"a second producer for window {key[1]} on replica {key[0]}")
+            served[key] = (len(producer["row_token"]), len(producer["export_row"]))
+    for i, mb in enumerate(microbatches):
+        record = _as_record(source, f"microbatch {i}", mb)
+        replica = record.integer("replica", 0, dp)
+        record.integer("slot", 0, count)
+        if "window" in mb:
+            record.integer("window", 0, count)
+        _validate_computation(record, trajectories, consumer=True)
+        _validate_cached_reads(record, served.get((replica, mb.get("window", -1)), (0, 0)))
 
 
 def _as_record(source: str, label: str, value) -> _Record:
@@ -225,6 +243,7 @@ def _validate_computation(record: _Record, trajectories: int, consumer: bool) ->
     record.bounded("export_chunk", 0, rows + 2)
     record.bounded("export_sequence", 0, sequences)
     record.bounded("sequence_start_state", -1, exports)
+    record.reads_earlier_rounds("sequence_start_state", "export_sequence", "sequence_round")
 
     members = len(record.array("member_own_start"))
     record.bounded("member_own_start", 0, _INT32_END, members)
@@ -243,10 +262,21 @@ def _validate_computation(record: _Record, trajectories: int, consumer: bool) ->
 
     segments = record.same_length(_SEGMENT_KEYS)
     record.offsets("segment_row_start", segments, rows)
-    record.bounded("segment_parent", -1, segments)
+    parent = record.bounded("segment_parent", -1, segments)
+    if np.any(parent >= np.arange(segments)):
+        record.fail("segment_parent", "a segment's parent does not come before it in memory order")
     record.bounded("segment_level", 0)
     if consumer and any(key in record.fields for key in _RESIDUAL_KEYS):
         _validate_residual(record, rows)
+
+
+def _validate_cached_reads(record: _Record, producer: tuple[int, int]) -> None:
+    """A consumer reads only its own (window, replica) producer: cached rows and start states within it."""
+    producer_rows, producer_exports = producer
+    if "row_cached_by" in record.fields:
+        record.bounded("row_cached_by", -1, producer_rows)
+    if "residual_sequence_producer_state" in record.fields:
+        record.bounded("residual_sequence_producer_state", -1, producer_exports)
 
 
 def _validate_residual(record: _Record, rows: int) -> None:
@@ -265,3 +295,4 @@ def _validate_residual(record: _Record, rows: int) -> None:
     record.bounded("residual_export_chunk", 0, rows + 2)
     record.bounded("residual_sequence_producer_state", -1)
     record.bounded("residual_sequence_start_state", -1, exports)
+    record.reads_earlier_rounds("residual_sequence_start_state", "residual_export_sequence", "residual_sequence_round")

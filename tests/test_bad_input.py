@@ -203,8 +203,29 @@ def _run_past_rows(plan):
     mb["run_row_start"][-1] = _rows(mb) - mb["run_length"][-1] + 1
 
 
+def _start_from_own_round(plan):
+    """Make the sequence that exports a state start from that very state (its own round)."""
+    mb = next(mb for mb in plan.microbatches + plan.producers if len(mb["export_row"]))
+    mb["sequence_start_state"][mb["export_sequence"][0]] = 0
+
+
+def _cached_beyond_producer(plan):
+    mb = next(mb for mb in plan.microbatches if (mb.get("row_cached_by", np.zeros(0)) >= 0).any())
+    mb["row_cached_by"][np.flatnonzero(mb["row_cached_by"] >= 0)[0]] = 10**6
+
+
+def _second_producer(plan):
+    plan.producers[1].update(replica=plan.producers[0]["replica"], window=plan.producers[0]["window"])
+
+
 # (what is damaged, how, words the one line must hold)
 DAMAGE = {
+    "start-state-same-round": (_start_from_own_round, "field 'sequence_start_state': a sequence starts from a "
+                                                      "state exported in its own or a later round"),
+    "mb-segment-parent-after": (lambda p: p.microbatches[0]["segment_parent"].__setitem__(0, 0),
+                                "microbatch 0: field 'segment_parent'"),
+    "mb-cached-beyond-producer": (_cached_beyond_producer, "field 'row_cached_by'"),
+    "producer-duplicate": (_second_producer, "producer 1: field 'window': a second producer"),
     "flags-dp-type": (lambda p: p.header["flags"].update(dp="2"), "flags: field 'dp'"),
     "flags-dp-beyond-microbatches": (lambda p: p.header["flags"].update(dp=10**6), "flags: field 'dp'"),
     "flags-chunk-missing": (lambda p: p.header["flags"].pop("chunk_size"), "field 'chunk_size': missing"),
