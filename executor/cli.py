@@ -193,10 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         plan = read_plan(args.plan)
         model = load_model(args.model, args.dtype)
         selected = None
+        device = model_device(args.device)
         if distributed.launched_by_torchrun():
-            group = distributed.init_data_parallel(int(plan.flags["dp"]))
+            group = distributed.init_data_parallel(int(plan.flags["dp"]), device)
             selected, primary = distributed.microbatches_of_replica(plan, group.rank), group.is_primary
-        model = model.to(model_device(args.device))
+        model = model.to(device)
         result = run_step(plan, model, mode=mode, loss=loss, backward=not args.forward_only,
                           recompute=args.recompute, microbatches=selected, windows=not args.no_windows,
                           progress=terminal_progress if primary else None, logprobs=args.logprobs)

@@ -31,17 +31,26 @@ class DataParallel:
 
 
 def launched_by_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """True under torchrun (or any launcher that sets RANK and WORLD_SIZE), even with one process:
+    a plan's replicas must then match the processes, not silently run in one."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def init_data_parallel(plan_dp: int) -> DataParallel:
-    """Join the process group torchrun set up; one rank per replica of the plan."""
+def init_data_parallel(plan_dp: int, device: torch.device) -> DataParallel:
+    """Join the process group torchrun set up; one rank per replica of the plan.
+
+    The backend follows the device the model runs on (nccl for CUDA, gloo for
+    CPU), not merely whether a GPU exists: `--device cpu` on a GPU machine
+    must reduce CPU tensors, which nccl cannot.
+    """
     world_size = int(os.environ["WORLD_SIZE"])
     if world_size != plan_dp:
         raise HartsError(f"the plan was compiled for --dp {plan_dp} but torchrun started {world_size} processes; "
                          f"fix: run torchrun --nproc-per-node {plan_dp}, or recompile with --dp {world_size}")
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return DataParallel(rank=dist.get_rank(), world_size=dist.get_world_size())
 
 
@@ -52,29 +61,43 @@ def microbatches_of_replica(plan, replica: int) -> list[int]:
 
 
 def all_reduce_result(result, model) -> None:
-    """Sum gradients, losses, statistics and log-probabilities over ranks, in place."""
+    """Sum gradients, losses, statistics and log-probabilities over ranks, in place.
+
+    Every collective runs on the device of the model's parameters (nccl reduces
+    only CUDA tensors). Counts of work are summed, `most_live_producers` and
+    `seconds` (the step ends with its slowest rank) are maxima;
+    `microbatch_seconds` stays this rank's.
+    """
+    device = next(model.parameters()).device
     for p in model.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad)
     result.grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-    scalars = torch.tensor([result.loss, result.objective, result.moe_aux_loss, result.moe_z_loss,
-                            float(result.rows)], dtype=torch.float64)
-    dist.all_reduce(scalars)
-    result.loss, result.objective, result.moe_aux_loss, result.moe_z_loss = (float(x) for x in scalars[:4])
-    result.rows = int(scalars[4])
+    sums = torch.tensor([result.loss, result.objective, result.moe_aux_loss, result.moe_z_loss, float(result.rows),
+                         float(result.producers_run), float(result.producer_backward_passes)],
+                        dtype=torch.float64, device=device)
+    dist.all_reduce(sums)
+    result.loss, result.objective, result.moe_aux_loss, result.moe_z_loss = (float(x) for x in sums[:4])
+    result.rows, result.producers_run, result.producer_backward_passes = (int(x) for x in sums[4:])
+    maxima = torch.tensor([result.seconds, float(result.most_live_producers)], dtype=torch.float64, device=device)
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+    result.seconds, result.most_live_producers = float(maxima[0]), int(maxima[1])
     for layer in sorted(result.moe_load):
-        load = torch.from_numpy(np.ascontiguousarray(result.moe_load[layer], dtype=np.float64))
+        load = torch.as_tensor(np.ascontiguousarray(result.moe_load[layer], dtype=np.float64), device=device)
         dist.all_reduce(load)
-        result.moe_load[layer] = load.numpy()
+        result.moe_load[layer] = load.cpu().numpy()
     # Each trajectory lives on exactly one replica: the others hold NaN for it.
-    for key in sorted(result.logprobs):
-        values = torch.from_numpy(result.logprobs[key].astype(np.float64))
-        present = (~torch.isnan(values)).to(torch.float64)
-        stacked = torch.stack([torch.nan_to_num(values), present])
-        dist.all_reduce(stacked)
-        merged = torch.where(stacked[1] > 0, stacked[0], torch.full_like(stacked[0], float("nan")))
-        result.logprobs[key] = merged.to(torch.float32).numpy()
+    # One collective for all of them: values (NaN as 0) and a presence flag.
+    keys = sorted(result.logprobs)
+    values = np.concatenate([np.asarray(result.logprobs[k], dtype=np.float64) for k in keys]) if keys else np.zeros(0)
+    present = ~np.isnan(values)
+    stacked = torch.as_tensor(np.stack([np.nan_to_num(values), present.astype(np.float64)]), device=device)
+    dist.all_reduce(stacked)
+    stacked = stacked.cpu().numpy()
+    merged = np.where(stacked[1] > 0, stacked[0], np.nan).astype(np.float32)
+    bounds = np.cumsum([len(result.logprobs[k]) for k in keys])[:-1]
+    result.logprobs = dict(zip(keys, np.split(merged, bounds)))
 
 
 def finish_data_parallel() -> None:

@@ -12,6 +12,7 @@ import subprocess
 
 import numpy as np
 import pytest
+import torch
 from safetensors.numpy import load_file
 
 from harts.cli import main as harts
@@ -23,6 +24,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun(processes: int, argv: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(["torchrun", "--nproc-per-node", str(processes), "--master-addr", "127.0.0.1",
+                           "--master-port", str(free_port()), "--no-python", *argv],
+                          capture_output=True, text=True, timeout=600, env=env)
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
@@ -38,14 +46,18 @@ def test_two_ranks_give_the_single_process_gradients(tmp_path):
                    "--capacity", "50", "--chunk-size", "4"]) == 0
     assert len(read_plan(tmp_path / "step.plan").producers) == 2
     common = [str(tmp_path / "step.plan"), "--model", str(tmp_path / "model"), "--loss", "grpo"]
-    assert harts(["run", *common, "--logprobs-out", str(tmp_path / "one.npz"),
-                  "--grads-out", str(tmp_path / "one.safetensors")]) == 0
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(["torchrun", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
-                          str(free_port()), "--no-python", "harts", "run", *common,
-                          "--logprobs-out", str(tmp_path / "two.npz"), "--grads-out", str(tmp_path / "two.safetensors")],
-                         capture_output=True, text=True, timeout=600, env=env)
+    single = subprocess.run(["harts", "run", *common, "--json", "--logprobs-out", str(tmp_path / "one.npz"),
+                             "--grads-out", str(tmp_path / "one.safetensors")],
+                            capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr
+    out = torchrun(2, ["harts", "run", *common, "--json", "--logprobs-out", str(tmp_path / "two.npz"),
+                       "--grads-out", str(tmp_path / "two.safetensors")])
     assert out.returncode == 0, out.stderr
+    # Step totals are the whole step's: every rank's rows and window producers, the same loss.
+    want, got = json.loads(single.stdout), json.loads(out.stdout)
+    assert got["window_producers"] == want["window_producers"] == 2
+    assert got["decoder_rows"] == want["decoder_rows"]
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
     one, two = load_file(tmp_path / "one.safetensors"), load_file(tmp_path / "two.safetensors")
     assert one.keys() == two.keys()
     for name, grad in one.items():
@@ -61,4 +73,16 @@ def test_world_size_must_match_the_plan(tmp_path, monkeypatch):
 
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(HartsError, match="compiled for --dp 2"):
-        init_data_parallel(2)
+        init_data_parallel(2, torch.device("cpu"))
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
+def test_one_process_under_torchrun_refuses_a_two_replica_plan(tmp_path):
+    """Under torchrun the processes must match the plan's replicas, one process included."""
+    records = [{"id": i, "tokens": [3, 4, 5 + i, 6]} for i in range(4)]
+    (tmp_path / "trees.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert hartsc([str(tmp_path / "trees.jsonl"), "-o", str(tmp_path / "step.plan"), "--dp", "2"]) == 0
+    assert harts(["init-model", "--vocab-size", "64", "-o", str(tmp_path / "model")]) == 0
+    out = torchrun(1, ["harts", "run", str(tmp_path / "step.plan"), "--model", str(tmp_path / "model")])
+    assert out.returncode != 0
+    assert "compiled for --dp 2 but torchrun started 1 processes" in out.stderr
