@@ -31,11 +31,21 @@ from harts.schema.plan import Plan, read_plan, write_plan
 __all__ = ["compile_trajectories", "run", "read_plan", "write_plan", "Plan", "StepResult", "LossConfig"]
 
 
+def _as_numpy(values, dtype=None) -> np.ndarray:
+    """A list, numpy array or torch tensor (any device, bfloat16 included) as a numpy array."""
+    if hasattr(values, "detach") and hasattr(values, "cpu"):   # a torch tensor: numpy knows no bfloat16
+        values = values.detach().cpu()
+        if values.is_floating_point():
+            values = values.double()
+        values = values.numpy()
+    return np.asarray(values, dtype=dtype)
+
+
 def _per_token(values, lengths, name, dtype) -> list[np.ndarray]:
     """One array per trajectory, each exactly as long as its tokens (one clear error otherwise)."""
     if len(values) != len(lengths):
         raise ValueError(f"{name}: {len(values)} entries for {len(lengths)} trajectories; fix: give one per trajectory")
-    arrays = [np.asarray(v, dtype=dtype) for v in values]
+    arrays = [_as_numpy(v, dtype) for v in values]
     for i, (a, n) in enumerate(zip(arrays, lengths)):
         if a.ndim != 1 or len(a) != n:
             raise ValueError(f"trajectory {i}: {name} has shape {a.shape} but tokens has {n}; "
@@ -43,19 +53,32 @@ def _per_token(values, lengths, name, dtype) -> list[np.ndarray]:
     return arrays
 
 
-def _flat(values, lengths, name) -> np.ndarray | None:
+def _flat(values, lengths, name, nan_at_index_0: bool = False) -> np.ndarray | None:
+    """Per-token floats as one float32 array; every value finite, except that with
+    `nan_at_index_0` a NaN at index 0 is stored as 0.0."""
     if values is None:
         return None
     arrays = _per_token(values, lengths, name, np.float64)
+    for i, a in enumerate(arrays):
+        if nan_at_index_0:
+            # Index 0 is never read (nothing predicts the first token); StepResult.logprobs
+            # holds NaN there, so a log-probability array of a run can be passed back as is.
+            a = np.concatenate([np.nan_to_num(a[:1], nan=0.0), a[1:]])
+        bad = np.flatnonzero(~np.isfinite(a) | (np.abs(a) > np.finfo(np.float32).max))
+        if len(bad):
+            raise ValueError(f"trajectory {i}: {name}[{bad[0]}] = {a[bad[0]]} is not a finite float32; "
+                             "fix: give finite numbers" + (" (index 0 may be NaN: it is never read)"
+                                                           if nan_at_index_0 else ""))
+        arrays[i] = a
     flat = np.concatenate(arrays) if arrays else np.zeros(0)
-    if not np.all(np.isfinite(flat)) or np.any(np.abs(flat) > np.finfo(np.float32).max):
-        raise ValueError(f"{name} holds a NaN, an infinity or a value beyond float32; fix: give finite numbers")
     return flat.astype(np.float32)
 
 
 def _check_tokens(tokens, vocab_size: int | None) -> None:
+    if len(tokens) == 0:
+        raise ValueError("no trajectories to compile; fix: pass at least one token list")
     for i, t in enumerate(tokens):
-        a = np.asarray(t)
+        a = _as_numpy(t)
         if a.ndim != 1 or len(a) < 2:
             raise ValueError(f"trajectory {i}: tokens must be a list of at least 2 ids; fix: drop or extend it")
         if a.dtype.kind not in "iu":
@@ -92,12 +115,14 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
         masks = _per_token(loss_masks, lengths, "loss_masks", np.float64)
         if any(np.any((m != 0) & (m != 1)) for m in masks):
             raise ValueError("loss_masks hold a value other than 0 and 1; fix: give 0/1 per token")
+    if advantages is not None and hasattr(advantages, "detach"):   # one torch tensor of per-trajectory values
+        advantages = _as_numpy(advantages)
     if advantages is not None and len(advantages) != len(lengths):
         raise ValueError(f"advantages: {len(advantages)} entries for {len(lengths)} trajectories; "
                          "fix: give one (scalar or per-token list) per trajectory")
     per_token_adv = advantages is not None and len(advantages) and np.ndim(advantages[0]) == 1
     if advantages is not None and not per_token_adv:
-        _flat([[a] for a in advantages], [1] * len(lengths), "advantages")   # finite scalars
+        advantages = _flat([[a] for a in advantages], [1] * len(lengths), "advantages")   # finite scalars
     batch = TrajectoryBatch.from_token_lists(tokens, ids=ids, loss_masks=loss_masks,
                                              advantages=None if per_token_adv else advantages)
     from dataclasses import replace
@@ -105,7 +130,7 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
     if per_token_adv:
         updates["advantages"] = _flat(advantages, lengths, "advantages")
     for name, values in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
-        flat = _flat(values, lengths, name)
+        flat = _flat(values, lengths, name, nan_at_index_0=True)
         if flat is not None:
             updates[name] = flat
             updates[f"has_{name}"] = np.ones(len(lengths), dtype=bool)

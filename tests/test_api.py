@@ -4,7 +4,9 @@ Run: `python -m pytest tests/test_api.py -q`.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 import harts.api as api
 
@@ -18,11 +20,15 @@ TOKENS = [[1, 2, 3], [1, 2, 4]]
     (dict(tokens=TOKENS, vocab_size=4), "token ids must lie in"),
     (dict(tokens=TOKENS, loss_masks=[[1, 1], [1, 1, 1]]), "loss_masks has shape"),
     (dict(tokens=TOKENS, loss_masks=[[1, 2, 1], [1, 1, 1]]), "other than 0 and 1"),
-    (dict(tokens=TOKENS, old_logprobs=[[0.0, float("nan"), 1.0], [0.0, 0.0, 0.0]]), "NaN"),
+    (dict(tokens=TOKENS, old_logprobs=[[0.0, float("nan"), 1.0], [0.0, 0.0, 0.0]]),
+     r"trajectory 0: old_logprobs\[1\] = nan is not a finite float32"),
+    (dict(tokens=TOKENS, advantages=[float("nan"), 1.0]), "advantages"),
+    (dict(tokens=[]), "no trajectories"),
     (dict(tokens=TOKENS, advantages=[1.0]), "advantages: 1 entries"),
     (dict(tokens=TOKENS, ids=["a", "a"]), "unique"),
     (dict(tokens=TOKENS, capacity=2), "more than capacity"),
-], ids=["negative", "float", "short", "vocab", "mask-length", "mask-value", "nan", "advantages", "ids", "capacity"])
+], ids=["negative", "float", "short", "vocab", "mask-length", "mask-value", "nan", "nan-advantage", "empty",
+        "advantages", "ids", "capacity"])
 def test_bad_batches_are_value_errors_with_a_fix(kwargs, words):
     tokens = kwargs.pop("tokens")
     with pytest.raises(ValueError, match=words) as info:
@@ -34,3 +40,18 @@ def test_good_batch_compiles():
     plan = api.compile_trajectories(TOKENS, ids=["x", "y"], advantages=[[0.0, 1.0, 1.0], [0.0, -1.0, -1.0]],
                                     old_logprobs=[[0.0, -1.0, -1.0]] * 2, vocab_size=8)
     assert plan.step["ids"] == ["x", "y"] and plan.step["original_tokens"] == 6
+
+
+def test_a_runs_logprobs_pass_back_with_nan_at_index_0():
+    """`StepResult.logprobs` holds NaN at index 0, which nothing reads: compile_trajectories takes it."""
+    plan = api.compile_trajectories(TOKENS, old_logprobs=[[float("nan"), -1.0, -2.0]] * 2)
+    np.testing.assert_array_equal(plan.step["old_logprobs"], [0.0, -1.0, -2.0] * 2)
+
+
+def test_torch_tensors_of_any_dtype_give_the_plan_of_lists():
+    values = [[0.0, -0.5, -1.25], [0.0, -2.0, -0.75]]   # exact in bfloat16
+    want = api.compile_trajectories(TOKENS, advantages=[0.5, -1.0], old_logprobs=values)
+    got = api.compile_trajectories([torch.tensor(t) for t in TOKENS], advantages=torch.tensor([0.5, -1.0]).bfloat16(),
+                                   old_logprobs=[torch.tensor(v).bfloat16() for v in values])
+    for key in ("old_logprobs", "advantages", "token_offsets"):
+        np.testing.assert_array_equal(got.step[key], want.step[key], err_msg=key)
