@@ -207,12 +207,9 @@ def main(argv: list[str] | None = None) -> int:
             write_outputs(result, args.logprobs_out, args.grads_out)
         if selected is not None:
             distributed.finish_data_parallel()
-    except HartsError as err:
+    except HartsError as err:   # input, output and usage errors (UsageError: ppo without old_logprobs, a bad flag)
         print(f"harts run: {err}", file=sys.stderr)
         return err.exit_code
-    except ValueError as err:   # objective misuse, e.g. ppo without old_logprobs, or an illegal loss flag
-        print(f"harts run: {err}", file=sys.stderr)
-        return 2
     if not primary:
         return 0
     report(args, mode, plan, result)

@@ -29,9 +29,10 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-import numpy as np
+from harts.schema.errors import UsageError
 
 LOSSES = ("nll", "grpo", "ppo")
 REDUCTIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -74,7 +75,7 @@ def _flag(name: str) -> str:
 
 def _check_choice(name: str, flag: str, value, allowed: tuple) -> None:
     if value not in allowed:
-        raise ValueError(f"LossConfig.{name} ({flag}) must be one of {', '.join(allowed)}, got {value!r}; "
+        raise UsageError(f"LossConfig.{name} ({flag}) must be one of {', '.join(allowed)}, got {value!r}; "
                          f"fix: pick one of {', '.join(allowed)}")
 
 
@@ -85,7 +86,7 @@ def _check_number(name: str, value, *, fix: str, upper: float | None = None) -> 
         ok = value < upper
     if not ok:
         interval = f"in [0, {upper:g})" if upper is not None else "finite and >= 0"
-        raise ValueError(f"LossConfig.{name} ({_flag(name)}) must be {interval}, got {value!r}; fix: {fix}")
+        raise UsageError(f"LossConfig.{name} ({_flag(name)}) must be {interval}, got {value!r}; fix: {fix}")
 
 
 # Which positions' log-probabilities a step recovers: every one, or only those the objective weighs.
@@ -99,7 +100,7 @@ def position_weights(loss_mask: np.ndarray, token_offsets: np.ndarray, reduction
     the two mean-of-means reductions and for token-mean.
     """
     if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        raise UsageError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     trained = np.asarray(loss_mask, dtype=np.float64).copy()
     starts = np.asarray(token_offsets[:-1], dtype=np.int64)
     trained[starts] = 0.0
@@ -127,7 +128,7 @@ class PositionMeta:
 def policy_loss(logprobs_P: torch.Tensor, meta: PositionMeta, config: LossConfig) -> torch.Tensor:
     """This microbatch's share of the step loss: sum over its positions of weight x term."""
     if config.kind not in LOSSES:
-        raise ValueError(f"loss must be one of {LOSSES}, got {config.kind!r}")
+        raise UsageError(f"loss must be one of {LOSSES}, got {config.kind!r}")
     lam = logprobs_P.to(torch.float64)
     weight = meta.weight.to(torch.float64)
     if config.kind == "nll":
@@ -136,7 +137,7 @@ def policy_loss(logprobs_P: torch.Tensor, meta: PositionMeta, config: LossConfig
         old = meta.old_logprobs
         if old is None or bool(torch.isnan(old[weight > 0]).any()):
             if config.kind == "ppo":
-                raise ValueError("loss 'ppo' needs old_logprobs for every trained position; "
+                raise UsageError("loss 'ppo' needs old_logprobs for every trained position; "
                                  "fix: give old_logprobs in trees.jsonl, or use --loss grpo (on-policy)")
             old = lam.detach() if old is None else torch.where(torch.isnan(old), lam.detach(), old)
         ratio = torch.exp(lam - old.to(torch.float64))
@@ -145,7 +146,7 @@ def policy_loss(logprobs_P: torch.Tensor, meta: PositionMeta, config: LossConfig
         per_position = -torch.minimum(ratio * adv, clipped * adv)
         if config.kl_coef:
             if meta.ref_logprobs is None:
-                raise ValueError(f"--kl-coef {config.kl_coef} needs ref_logprobs, but the step has none; "
+                raise UsageError(f"--kl-coef {config.kl_coef} needs ref_logprobs, but the step has none; "
                                  "fix: give ref_logprobs in trees.jsonl, or drop --kl-coef")
             ref = meta.ref_logprobs.to(torch.float64)
             # Trajectories that gave no reference contribute no KL term (delta = 0).

@@ -21,7 +21,7 @@ from harts.executor.models.moe import MoEStatistics
 from harts.executor.models.registry import runner_for
 from harts.executor.ops.logprobs import position_logprobs
 from harts.executor.windows import WindowSchedule
-from harts.schema.errors import HartsError
+from harts.schema.errors import HartsError, UsageError
 from harts.schema.plan import Plan
 
 
@@ -95,9 +95,9 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     tool outputs. Loss, gradients and MoE statistics are the same either way.
     """
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
     if logprobs not in LOGPROB_POSITIONS:
-        raise ValueError(f"logprobs must be one of {LOGPROB_POSITIONS}, got {logprobs!r}")
+        raise UsageError(f"logprobs must be one of {LOGPROB_POSITIONS}, got {logprobs!r}")
     check_model_fits(plan, model)
     started = time.perf_counter()
     chunk_size = int(plan.flags["chunk_size"])

@@ -23,6 +23,15 @@ class InputError(HartsError):
         super().__init__(f"{where}: {what}{problem}; fix: {fix}")
 
 
+class UsageError(HartsError, ValueError):
+    """A caller's argument out of range or in conflict with the input (a flag, an API argument).
+
+    A `ValueError` for Python callers; one line and exit 2 at the command line.
+    Only these are reported as the user's mistake: any other `ValueError` is a
+    bug and keeps its traceback.
+    """
+
+
 class OutputError(HartsError):
     """An output HARTS cannot write: names the path, the reason and the fix."""
 

@@ -105,12 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_model:
             return 0
         return run_model(out, plan_path, model_dir, args.seed, started)
-    except HartsError as err:
+    except HartsError as err:   # UsageError included: a flag out of range (GenConfig, init-model's checks)
         print(f"harts demo: {err}", file=sys.stderr)
         return err.exit_code
-    except ValueError as err:   # a flag out of range (GenConfig, init-model's checks)
-        print(f"harts demo: {err}", file=sys.stderr)
-        return 2
 
 
 def run_model(out: Path, plan_path: Path, model_dir: Path, seed: int, started: float) -> int:

@@ -41,7 +41,7 @@ import numpy as np
 import orjson
 
 from harts.schema.atomic import atomic_output, check_output_path
-from harts.schema.errors import HartsError
+from harts.schema.errors import HartsError, UsageError
 
 KINDS = ("stepwise", "treestep")
 SHARED_STEPS = ("once", "per-branch")
@@ -204,7 +204,7 @@ def _flag(name: str) -> str:
 def _need(ok: bool, what: str, got, fix: str) -> None:
     """Raise the GenConfig error line unless `ok`: what was expected, what was found, the fix."""
     if not ok:
-        raise ValueError(f"GenConfig: {what}, got {got}; fix: {fix}")
+        raise UsageError(f"GenConfig: {what}, got {got}; fix: {fix}")
 
 
 def _need_range(c: GenConfig, stem: str, *, low: int) -> None:
@@ -233,7 +233,7 @@ def preset(name: str, kind: str = "stepwise") -> GenConfig:
             kind=kind, tasks=14 if kind == "stepwise" else 8, group_size=8,
             system_prompt_tokens=6000, turns_min=6, turns_max=24, action_tokens_median=150.0,
             tool_tokens_median=1600.0, max_branches=16)
-    raise ValueError(f"preset must be one of {PRESETS}, got {name!r}")
+    raise UsageError(f"preset must be one of {PRESETS}, got {name!r}")
 
 
 # --------------------------------------------------------------------------- shape
@@ -458,11 +458,11 @@ def scale_to(config: GenConfig, *, trajectories: int | None = None,
     the count whose cumulative size is nearest the target.
     """
     if (trajectories is None) == (tokens is None):
-        raise ValueError(f"scale_to: give exactly one of trajectories, tokens; got "
+        raise UsageError(f"scale_to: give exactly one of trajectories, tokens; got "
                          f"trajectories={trajectories}, tokens={tokens}; fix: pass one target")
     target = trajectories if trajectories is not None else tokens
     if target <= 0:
-        raise ValueError(f"scale_to: the target must be > 0, got {target}; "
+        raise UsageError(f"scale_to: the target must be > 0, got {target}; "
                          "fix: pass --target-trajectories or --target-tokens of 1 or more")
     total, task = 0, 0
     while True:
@@ -627,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.target_tokens is not None:
             config = scale_to(config, tokens=args.target_tokens)
         if args.output is None and not args.dry_run:
-            raise ValueError("no output file; fix: give -o/--output FILE, or --dry-run")
+            raise UsageError("no output file; fix: give -o/--output FILE, or --dry-run")
         if not args.dry_run:
             # Before any work: a bad path must not cost a paper-scale generation.
             check_output_path(args.output)
@@ -641,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"harts gen: {config.kind}: {sizes} (dry run, nothing written)", file=sys.stderr)
             return 0
         result = write_jsonl(_generate(config, plans), args.output)
-    except (ValueError, OSError, HartsError) as err:
+    except (OSError, HartsError) as err:
         print(f"harts gen: error: {err}", file=sys.stderr)
         return 2
     print(f"harts gen: {config.kind}: {sizes} -> {result.path} ({result.bytes:,} bytes, "

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from harts.progress import quiet_library_progress
-from harts.schema.errors import HartsError, OutputError
+from harts.schema.errors import HartsError, OutputError, UsageError
 
 ARCHITECTURES = ("kimi_linear", "qwen3_next")
 PRESETS = ("tiny", "small")
@@ -119,14 +119,14 @@ MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "mo
 def check_arguments(arch: str, preset: str, vocab_size: int, seed: int) -> None:
     """Refuse values the model cannot be built from; ValueError naming the flag and the fix."""
     if arch not in ARCHITECTURES:
-        raise ValueError(f"--arch {arch}: not supported; fix: use one of {', '.join(ARCHITECTURES)}")
+        raise UsageError(f"--arch {arch}: not supported; fix: use one of {', '.join(ARCHITECTURES)}")
     if preset not in PRESETS:
-        raise ValueError(f"--preset {preset}: unknown preset; fix: use one of {', '.join(PRESETS)}")
+        raise UsageError(f"--preset {preset}: unknown preset; fix: use one of {', '.join(PRESETS)}")
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
-        raise ValueError(f"--vocab-size {vocab_size}: must be an int in [{MIN_VOCAB}, {MAX_VOCAB:,}] (token ids "
+        raise UsageError(f"--vocab-size {vocab_size}: must be an int in [{MIN_VOCAB}, {MAX_VOCAB:,}] (token ids "
                          "0, 1, 2 are pad, bos, eos); fix: pass the vocabulary size of your tokenizer or plan")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"--seed {seed}: must be an int in [0, 2**64 - 1]; fix: pass a non-negative seed, e.g. 0")
+        raise UsageError(f"--seed {seed}: must be an int in [0, 2**64 - 1]; fix: pass a non-negative seed, e.g. 0")
 
 
 def _is_earlier_model(folder: Path) -> bool:
@@ -266,9 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = init_model(args.arch, args.preset, args.output, vocab_size=args.vocab_size, seed=args.seed,
                            replace=args.replace)
-    except (ValueError, HartsError) as err:
+    except HartsError as err:
         print(f"harts init-model: {err}", file=sys.stderr)
-        return getattr(err, "exit_code", 2)
+        return err.exit_code
     params = sum(p.numel() for p in model.parameters())
     print(f"harts init-model: {args.arch} ({args.preset}), {params:,} parameters -> {args.output}", file=sys.stderr)
     return 0
