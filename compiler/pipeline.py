@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from harts.compiler.ir.layout import CompactLayout, build_layout, verify_layout
+from harts.compiler.ir.partition import L1Partition
+from harts.compiler.ir.placement import L2Placement
 from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.ir.trie import TrieIR
 from harts.compiler.passes.assign_rounds import RoundSchedule, assign_rounds, verify_rounds
@@ -31,9 +33,8 @@ from harts.compiler.passes.build_trie import build_trie, verify_trie
 from harts.compiler.passes.lower_plan import (lower_cached_rows, lower_microbatch, lower_producer, lower_residual,
                                               lower_step)
 from harts.compiler.passes.partition_ffd import SHARD_UNITS, partition_ffd
-from harts.compiler.passes.partition_microbatches import (L1Options, L1Partition, partition_microbatches,
-                                                          verify_partition)
-from harts.compiler.passes.place_windows import L2Options, L2Placement, place_windows, verify_placement
+from harts.compiler.passes.partition_microbatches import L1Options, partition_microbatches, verify_partition
+from harts.compiler.passes.place_windows import L2Options, place_windows, verify_placement
 from harts.compiler.passes.plan_replay import ReplayPlan, plan_replay, with_exports
 from harts.compiler.passes.plan_residual import ResidualPlan, plan_residual, verify_residual
 from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN

@@ -52,10 +52,11 @@ Legend for shape suffixes: P greedy plans, N positions, K microbatches, L sparse
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+from harts.compiler.ir.partition import L1Partition
 from harts.compiler.prefix_cost import INFEASIBLE, PrefixCostModel, RangeMin, floor_log2_table
 from harts.schema.errors import PassFailedError, VerificationError
 
@@ -85,23 +86,6 @@ class L1Options:
     count_span: int = 16
     # Add the best of the eight trie-aware greedy plans as a candidate.
     greedy: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class L1Partition:
-    """L1's result: K microbatches on a D x K/D (replica, slot) grid."""
-
-    members: tuple[np.ndarray, ...]  # per microbatch, sorted positions (int64, ascending)
-    work: np.ndarray                 # int64[K], C(M) of each microbatch
-    replica: np.ndarray              # int32[K], in [0, dp)
-    slot: np.ndarray                 # int32[K], in [0, K/dp); (replica, slot) pairs are unique
-    candidate: str                   # which candidate won, e.g. "contiguous-exact k=16"
-    j_init: tuple[int, int, int]     # (total work, sum over slots of max work, max replica total)
-    decisions: tuple[str, ...] = field(default=())  # one line per decision, for `-v` logs
-
-    @property
-    def num_microbatches(self) -> int:
-        return len(self.members)
 
 
 @dataclass(frozen=True, slots=True)

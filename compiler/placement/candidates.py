@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from harts.compiler.passes.partition_microbatches import L1Partition
+from harts.compiler.ir.partition import L1Partition
 from harts.compiler.placement.evaluation import NO_CAP
 from harts.compiler.placement.options import L2Options
 from harts.compiler.placement.packing import Cell, pack_units, repack_cells

@@ -13,7 +13,7 @@ from harts.compiler.prefix_cost import PrefixCostModel
 from harts.schema.errors import VerificationError
 
 if TYPE_CHECKING:
-    from harts.compiler.passes.place_windows import L2Placement
+    from harts.compiler.ir.placement import L2Placement
 
 
 def verify_placement(lengths, lcp, placement: L2Placement, capacity: int, dp: int) -> None:
