@@ -146,11 +146,11 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    from harts.executor.ops.linear_attention.backend import fla_importable
+    from harts.executor.ops.linear_attention.backend import fla_import_error
 
-    if not torch.cuda.is_available() or not fla_importable():
+    if not torch.cuda.is_available() or fla_import_error() is not None:
         print(f"device check: nothing to check (CUDA available: {torch.cuda.is_available()}, "
-              f"fla importable: {fla_importable()})")
+              f"fla: {fla_import_error() or 'importable'})")
         return 0
     device = torch.device("cuda")
     print(f"device: {torch.cuda.get_device_name(0)}")

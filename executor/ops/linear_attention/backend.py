@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import warnings
 
 import torch
 
@@ -21,13 +22,21 @@ BACKENDS = ("auto", "torch", "fla")
 
 
 @functools.cache
-def fla_importable() -> bool:
+def fla_import_error() -> str | None:
+    """Why fla's kernels cannot be imported here (None: they can)."""
     try:
         for module in ("fla.ops.kda", "fla.ops.gated_delta_rule"):
             importlib.import_module(module)
-    except Exception:   # not installed, or its Triton kernels cannot load without CUDA
-        return False
-    return True
+    except Exception as err:   # noqa: BLE001 - not installed (ImportError), or installed but broken
+        # (Triton or CUDA failing at import): either way the reason is kept and reported, not swallowed.
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+@functools.cache
+def _warn_broken_fla(reason: str) -> None:
+    warnings.warn(f"flash-linear-attention is installed but cannot be imported ({reason}); linear attention "
+                  "runs on the slower torch op. Set HARTS_LINEAR_ATTENTION=torch to silence this.", stacklevel=3)
 
 
 def select_backend(device: torch.device, chunk_size: int, requested: str | None = None) -> str:
@@ -36,11 +45,15 @@ def select_backend(device: torch.device, chunk_size: int, requested: str | None 
         raise ValueError(f"HARTS_LINEAR_ATTENTION must be one of {', '.join(BACKENDS)}, got {requested!r}")
     if requested == "torch":
         return "torch"
-    fits = device.type == "cuda" and chunk_size == FLA_CHUNK_SIZE and fla_importable()
+    reason = fla_import_error() if device.type == "cuda" else None
+    fits = device.type == "cuda" and chunk_size == FLA_CHUNK_SIZE and reason is None
     if requested == "fla" and not fits:
         raise ValueError(f"the fla backend needs CUDA tensors, chunk size {FLA_CHUNK_SIZE} and an importable "
-                         f"flash-linear-attention (got device {device}, chunk size {chunk_size}); fix: install the "
+                         f"flash-linear-attention (got device {device}, chunk size {chunk_size}"
+                         + (f", import failed: {reason}" if reason else "") + "); fix: install the "
                          "'cuda' extra on a GPU machine, or set HARTS_LINEAR_ATTENTION=torch")
+    if reason is not None and not reason.startswith("ModuleNotFoundError"):
+        _warn_broken_fla(reason)   # a broken install must not pass silently for the torch op
     return "fla" if fits else "torch"
 
 

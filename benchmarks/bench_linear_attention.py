@@ -2,8 +2,8 @@
 
 Not a test. Run (CPU; keep other work off the cores while it runs):
 
-    python -m harts.executor.ops.linear_attention.bench --threads 1
-    python -m harts.executor.ops.linear_attention.bench --tokens 2048 --shapes 2x32 --repeats 5
+    python benchmarks/bench_linear_attention.py --threads 1
+    python benchmarks/bench_linear_attention.py --tokens 2048 --shapes 2x32 --repeats 5
 
 Per-channel gate is compared with `chunk_kimi_delta_attention` (Kimi Linear),
 scalar gate with `torch_chunk_gated_delta_rule` (Qwen3-Next); both on one
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .chunk import chunk_linear_attention
+from harts.executor.ops.linear_attention.chunk import chunk_linear_attention
 
 
 def _fallbacks():
