@@ -8,9 +8,13 @@ row r must be its path, [ancestor^{W-1}(r), ..., parent(r), r] with zeros
 before position 0, never the rows that happen to sit before r in memory: a
 fork's first own row reads the shared prefix it hangs below.
 
-`conv_context` turns `row_parent` into the window rows once per microbatch
-(W - 1 vectorised parent gathers; the compiler may later store it in the
-plan). `short_conv` gathers the windows and is its own autograd Function so
+`conv_context` turns `row_parent` into the window rows once per microbatch:
+W - 1 vectorised gathers of the plan's `row_parent` (the W - 1 nearest
+ancestors of every row). This is the one place the executor follows parent
+links, and deliberately: storing the [R, W - 1] window table in the plan
+would add W - 1 = 3 int32 per row to the 4 the row tables hold, for
+three gathers' work; what it computes (the conv window) is fixed by the
+model, not a planning decision. `short_conv` gathers the windows and is its own autograd Function so
 that backward saves only x and the pre-activation, and sums the gradient of
 every window a row appears in (a fork's parent feeds each child's window).
 
