@@ -45,7 +45,7 @@ import orjson
 import zstandard
 
 from harts.compiler.ir.trajectories import TrajectoryBatch
-from harts.schema.errors import InputError
+from harts.schema.errors import InputError, UsageError
 
 __all__ = ["read_trees"]
 
@@ -108,9 +108,9 @@ def read_trees(path: str | os.PathLike, *, vocab_size: int | None = None,
     # Caller arguments, not file content: front ends check their flags first
     # (`harts.compiler.pipeline.check_options`), so only API misuse gets here.
     if vocab_size is not None and vocab_size < 1:
-        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}; fix: pass the model's vocabulary size or None")
+        raise UsageError(f"vocab_size must be >= 1, got {vocab_size}; fix: pass the model's vocabulary size or None")
     if capacity is not None and capacity < 2:
-        raise ValueError(f"capacity must be >= 2, got {capacity}; fix: pass the microbatch capacity or None")
+        raise UsageError(f"capacity must be >= 2, got {capacity}; fix: pass the microbatch capacity or None")
     source = os.fspath(path)
     if isinstance(source, bytes):
         source = os.fsdecode(source)
