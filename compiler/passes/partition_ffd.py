@@ -84,7 +84,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from harts.compiler.ir.partition import L1Partition
-from harts.compiler.passes.partition_microbatches import check_step_fits, natural_partition
+from harts.compiler.partition.assignment import check_step_fits
+from harts.compiler.partition.contiguous import natural_partition
 from harts.compiler.prefix_cost import PrefixCostModel
 from harts.schema.errors import PassFailedError
 

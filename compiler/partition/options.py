@@ -1,0 +1,21 @@
+"""L1's options: the search knobs of `partition_microbatches` (its module docstring explains them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class L1Options:
+    """Search knobs of L1; defaults reproduce the paper where it gives numbers."""
+
+    # Run the exact contiguous DP when N x K_hi <= this (K_hi: largest candidate
+    # count; the DP fills every row up to it). 2M cells is ~60 ms and 16 MB of
+    # table here; a paper-scale step (N = 1,600, K_hi ~ 190) needs ~0.3M.
+    exact_max_cells: int = 2_000_000
+    # Q_max: at most this many counts are tried by the scalable search.
+    max_sampled_counts: int = 32
+    # Eq. A.4 as we read it: try K_lo + i * D for i = 0..count_span. More counts
+    # add cuts (more work) but can fix capacity fragmentation and balance.
+    count_span: int = 16
+    # Add the best of the eight trie-aware greedy plans as a candidate.
+    greedy: bool = True
