@@ -91,12 +91,15 @@ the choices filling the gaps are:
   member, or a duplicate) to a consumer of the same (window, replica) with
   room; its rows then become shared, so the producer computes them and the
   heavy consumer's residual shrinks. Kept when Phi does not grow.
-* Local refinement (at most `refine_steps` rounds): push rounds take the
-  heaviest consumer and try exports, moving one of its nested chains to the
-  lightest consumers of its own cell (whole-trajectory repacking within the
-  window) or of other cells of its window (an exchange between heavy and
-  light replicas, allowed only if tokens do not grow), and swapping a chain
-  for a smaller one there; pull rounds take the consumer furthest below its
+* Local refinement (at most `refine_steps` rounds, every
+  `refine_pull_every`-th a pull round): push rounds take a slot's maximum,
+  the one leading its slot by most first (Phi is a sum of slot maxima, so
+  the lead of a light slot's maximum is worth as much as a heavy one's),
+  then the heaviest consumer, and try exports, moving one of its nested
+  chains to the lightest consumers of its own cell (whole-trajectory
+  repacking within the window) or of other cells of its window (an exchange
+  between heavy and light replicas, allowed only if tokens do not grow), and
+  swapping a chain for a smaller one there; pull rounds take the consumer furthest below its
   slot's maximum and try moving in the tail of a nested chain (its longest
   members) whose history it can hold. Each move is evaluated exactly
   (capacities of complete layouts and producers included) and kept when

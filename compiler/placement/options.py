@@ -28,8 +28,12 @@ class L2Options:
     # of T (one candidate per value): smaller units pack more evenly but share
     # more prefix rows between consumers.
     repack_shares: tuple[float, ...] = (1.0,)
-    # Local refinement: at most this many accepted or rejected move rounds.
-    refine_steps: int = 32
+    # Local refinement: at most this many accepted or rejected move rounds, of
+    # which every `refine_pull_every`-th pulls work into a light consumer and the
+    # others push it out of a slot maximum (pushes lower Phi more often; measured in
+    # benchmarks/bench_planners.py, see place_windows' docstring).
+    refine_steps: int = 64
+    refine_pull_every: int = 4
     # Placement exchanges: at most this many accepted whole-consumer swaps; each
     # round scans at most `exchange_candidates` surrogate-ranked swaps, and all
     # rounds together evaluate at most `exchange_evaluations` exactly. A trial

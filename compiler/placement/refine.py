@@ -92,16 +92,19 @@ def refine(model: PrefixCostModel, options: L2Options, layout: Layout, dp: int, 
            decisions: list[str]) -> Layout:
     """Bounded local search that levels work without ever raising Phi; see `place_windows`' docstring.
 
-    Rounds alternate. A push round takes the heaviest consumer not yet found
-    stuck and tries: exports of a nested prefix to a consumer of its cell;
-    moving one of its nested chains to the lightest consumers of its cell
-    (repacking within the window) or of other cells of its window (an
-    exchange between replicas); swapping a chain with a smaller chain of
-    those consumers. A pull round takes the consumer furthest below its
-    slot's maximum and tries moving in the tail of a nested chain
-    (`_pull_moves`). A move is
-    kept when (Phi, sum of squared costs) decreases lexicographically, the
-    capacities hold, and, when it crosses replicas, tokens do not grow.
+    Every `refine_pull_every`-th round is a pull round, the others push. A
+    push round takes the first consumer not yet found stuck in this order:
+    slot maxima by their excess over their slot's second-highest cost (what
+    Phi can lose by moving work out: the maximum of a light slot counts as
+    much as that of a heavy one), then every consumer by descending cost. It
+    tries exports of a nested prefix to a consumer of its cell; moving one of
+    its nested chains to the lightest consumers of its cell (repacking within
+    the window) or of other cells of its window (an exchange between
+    replicas); swapping a chain with a smaller chain of those consumers. A
+    pull round takes the consumer furthest below its slot's maximum and tries
+    moving in the tail of a nested chain (`_pull_moves`). A move is kept when
+    (Phi, sum of squared costs) decreases lexicographically, the capacities
+    hold, and, when it crosses replicas, tokens do not grow.
     """
     stuck: set[tuple[int, bool]] = set()
     accepted = evaluations = 0
@@ -109,19 +112,23 @@ def refine(model: PrefixCostModel, options: L2Options, layout: Layout, dp: int, 
     for step in range(options.refine_steps):
         ev = layout.ev
         cost = ev.res_f + ev.res_b
-        pull = step % 2 == 1
+        pull = step % options.refine_pull_every == options.refine_pull_every - 1
+        fwd, bwd, _, _ = grid_costs(layout, dp)
+        slot_cost = fwd + bwd
+        slot_max = slot_cost.max(axis=0)
+        excess = _excess_over_slot(cost, slot_cost, layout.slot)
         if pull:
-            fwd, bwd, _, _ = grid_costs(layout, dp)
-            slot_max = (fwd + bwd).max(axis=0)
             ranked = np.argsort(-(slot_max[layout.slot] - cost), kind="stable").tolist()
         else:
-            ranked = np.argsort(-cost, kind="stable").tolist()
+            leaders = np.flatnonzero(excess > 0)
+            ranked = leaders[np.argsort(-excess[leaders], kind="stable")].tolist()
+            ranked += np.argsort(-cost, kind="stable").tolist()
         order = [k for k in ranked if (k, pull) not in stuck]
         if not order:
             break
         focus = order[0]
         moves = _pull_moves(model, layout, ev, focus, dp, capacity, slot_max) if pull else \
-            _push_moves(model, layout, ev, focus, dp, capacity)
+            _push_moves(model, layout, ev, focus, dp, capacity, excess)
         best = best_score = None
         for positions, a, b in moves:
             trial = _apply_move(layout, positions, a, b)
@@ -145,15 +152,31 @@ def refine(model: PrefixCostModel, options: L2Options, layout: Layout, dp: int, 
     return layout
 
 
-def _push_moves(model, layout: Layout, ev: Evaluation, a: int, dp: int, capacity: int) -> list:
-    """Candidate moves out of the heavy consumer a: (positions, from, to); -1 - p moves p from `to` to `from`."""
+def _excess_over_slot(cost: np.ndarray, slot_cost: np.ndarray, slot: np.ndarray) -> np.ndarray:
+    """Per consumer: its lead over the second-highest cost of its slot if it is the slot's maximum, else 0.
+
+    With one replica every consumer leads its slot and Phi is the total, so none is singled out.
+    """
+    if slot_cost.shape[0] < 2:
+        return np.zeros_like(cost)
+    second, first = np.sort(slot_cost, axis=0)[-2:]
+    return np.where(cost >= first[slot], cost - second[slot], 0)
+
+
+def _push_moves(model, layout: Layout, ev: Evaluation, a: int, dp: int, capacity: int, excess: np.ndarray) -> list:
+    """Candidate moves out of consumer a: (positions, from, to); -1 - p moves p from `to` to `from`.
+
+    Moves are sized to shed about `excess[a]` (a slot maximum's lead over its
+    slot) or, for a consumer that leads no slot, its excess over its window's mean.
+    """
     lengths = model.lengths
     K = len(layout.cell_of_consumer)
     cost = ev.res_f + ev.res_b
     cell = int(layout.cell_of_consumer[a])
     in_window = np.flatnonzero(layout.cell_of_consumer // dp == cell // dp)
     per_row = max(1.0, cost[a] / max(1, ev.res_n[a]))
-    wanted = max(1.0, (cost[a] - cost[in_window].mean()) / per_row)
+    shed = excess[a] if excess[a] > 0 else cost[a] - cost[in_window].mean()
+    wanted = max(1.0, shed / per_row)
     members = np.flatnonzero(layout.consumer_of == a)
     same_cell = np.flatnonzero((layout.cell_of_consumer == cell) & (np.arange(K) != a))
     other_cells = in_window[layout.cell_of_consumer[in_window] != cell]
