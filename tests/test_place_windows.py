@@ -20,6 +20,7 @@ from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.passes.partition_microbatches import partition_microbatches
 from harts.compiler.passes.place_windows import L2Options, place_windows, verify_placement
 from harts.compiler.placement import candidates, exchange, scoring
+from harts.compiler.placement import refine as refine_module
 from harts.compiler.placement.evaluation import NO_CAP, Evaluation, evaluate, reevaluate
 from harts.compiler.prefix_cost import PrefixCostModel
 from harts.compiler.pipeline import CompileOptions, compile_batch
@@ -529,3 +530,41 @@ def test_check_names_each_broken_window_invariant(windowed, breakage, invariant)
     with pytest.raises(VerificationError) as err:
         check_plan(plan, batch.tokens, batch.token_offsets)
     assert invariant in err.value.invariant, err.value.invariant
+
+
+def test_a_slot_leaders_excess_is_its_lead_over_the_slots_second_highest():
+    """`refine`'s push focus, against a per-slot brute force (ties: nobody leads)."""
+    rng = np.random.default_rng(3)
+    for dp in (1, 2, 3, 5):
+        slots = 6
+        grid = rng.integers(0, 4, size=(dp, slots)).astype(np.int64)   # small values: many ties
+        replica, slot = np.divmod(np.arange(dp * slots), slots)
+        cost = grid[replica, slot]
+        got = refine_module._excess_over_slot(cost, grid, slot)
+        for k in range(dp * slots):
+            column = sorted(grid[:, slot[k]].tolist(), reverse=True)
+            leads = dp > 1 and cost[k] == column[0] and column[0] > column[1]
+            assert got[k] == (column[0] - column[1] if leads else 0), (dp, k)
+
+
+def test_refinement_never_raises_phi_and_keeps_the_placement_valid():
+    """Refinement alone (no exchanges) on a random forest at D = 3: the placement still verifies,
+    tokens stay within L1's, and Phi drops (seed 6 is pinned: on some inputs no move helps)."""
+    rng = np.random.default_rng(6)
+    lists = []
+    for tree in range(10):
+        stem = [100 + tree] + rng.integers(0, 5, size=int(rng.integers(10, 60))).tolist()
+        for branch in range(int(rng.integers(2, 6))):
+            tail = rng.integers(0, 5, size=int(rng.integers(5, 40))).tolist()
+            lists += [stem + [branch] + tail[:cut] for cut in (len(tail) // 3, 2 * len(tail) // 3, len(tail))]
+    lists = sorted(list(t) for t in {tuple(t) for t in lists})
+    lengths, lcp = lengths_and_lcp(lists)
+    capacity = int(1.5 * lengths.max())
+    partition = partition_microbatches(lengths, lcp, capacity=capacity, dp=3)
+    trie = type("Trie", (), {"lengths": lengths, "lcp": lcp})
+    unrefined = place_windows(trie, partition, capacity=capacity, dp=3, options=L2Options(refine_steps=0,
+                                                                                           exchange_rounds=0))
+    refined = place_windows(trie, partition, capacity=capacity, dp=3, options=L2Options(exchange_rounds=0))
+    verify_placement(lengths, lcp, refined, capacity, 3)
+    assert refined.key[0] < unrefined.key[0]
+    assert refined.decoder_tokens <= int(partition.work.sum())
