@@ -547,10 +547,9 @@ def test_a_slot_leaders_excess_is_its_lead_over_the_slots_second_highest():
             assert got[k] == (column[0] - column[1] if leads else 0), (dp, k)
 
 
-def test_refinement_never_raises_phi_and_keeps_the_placement_valid():
-    """Refinement alone (no exchanges) on a random forest at D = 3: the placement still verifies,
-    tokens stay within L1's, and Phi drops (seed 6 is pinned: on some inputs no move helps)."""
-    rng = np.random.default_rng(6)
+def _random_forest_placements(seed: int):
+    """(unrefined, refined, lengths, lcp, capacity, partition) on a random forest at D = 3, no exchanges."""
+    rng = np.random.default_rng(seed)
     lists = []
     for tree in range(10):
         stem = [100 + tree] + rng.integers(0, 5, size=int(rng.integers(10, 60))).tolist()
@@ -562,9 +561,19 @@ def test_refinement_never_raises_phi_and_keeps_the_placement_valid():
     capacity = int(1.5 * lengths.max())
     partition = partition_microbatches(lengths, lcp, capacity=capacity, dp=3)
     trie = type("Trie", (), {"lengths": lengths, "lcp": lcp})
-    unrefined = place_windows(trie, partition, capacity=capacity, dp=3, options=L2Options(refine_steps=0,
-                                                                                           exchange_rounds=0))
+    unrefined = place_windows(trie, partition, capacity=capacity, dp=3,
+                              options=L2Options(refine_steps=0, exchange_rounds=0))
     refined = place_windows(trie, partition, capacity=capacity, dp=3, options=L2Options(exchange_rounds=0))
+    return unrefined, refined, lengths, lcp, capacity, partition
+
+
+@pytest.mark.parametrize("seed", range(7))
+def test_refinement_never_raises_phi_and_keeps_the_placement_valid(seed):
+    """Refinement alone (no exchanges): the placement still verifies, tokens stay within L1's, and
+    Phi never grows; on seed 6 (pinned: on some inputs no move helps) it strictly drops."""
+    unrefined, refined, lengths, lcp, capacity, partition = _random_forest_placements(seed)
     verify_placement(lengths, lcp, refined, capacity, 3)
-    assert refined.key[0] < unrefined.key[0]
+    assert refined.key[0] <= unrefined.key[0]
     assert refined.decoder_tokens <= int(partition.work.sum())
+    if seed == 6:
+        assert refined.key[0] < unrefined.key[0]
