@@ -31,9 +31,13 @@ class DataParallel:
 
 
 def launched_by_torchrun() -> bool:
-    """True under torchrun (or any launcher that sets RANK and WORLD_SIZE), even with one process:
-    a plan's replicas must then match the processes, not silently run in one."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    """True under torchrun, even with one process (a plan's replicas must then match the processes,
+    not silently run in one), and under any launcher that starts several processes.
+
+    torchrun marks its workers with TORCHELASTIC_RUN_ID; a lone process that merely
+    inherits RANK=0, WORLD_SIZE=1 from an RL framework runs the whole step itself.
+    """
+    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def init_data_parallel(plan_dp: int, device: torch.device) -> DataParallel:
