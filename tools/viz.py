@@ -13,21 +13,20 @@ derived from the plan's arrays (`harts.schema.plan` documents every key):
 * `windows`: the sharing windows on a slot timeline (L2 plans only);
 * `tree`: one rollout tree's segments by position, chunk grid, replay, rounds.
 
-Sharing windows come from L2 (`hartsc --levels l1+l2`). This module reads them
-as: a microbatch's ``window`` (int, -1 or absent: none), its ``row_cached_by``
-(int[C], >= 0 where the row comes from the window's producer), and a list
-``producers`` of dicts with ``replica``, ``window`` and ``row_token`` (or
-``num_rows``), held by the plan (`plan.producers`) or its step record. A plan
-without them is drawn as an L1 plan. A producer's rows are charged to the first
-slot of its window, where its forward runs (paper Section 3.4).
+Sharing windows come from L2 (`hartsc --levels l1+l2`); a plan without them is
+drawn as an L1 plan (`harts.tools.viz_data` says how they are read).
+
+This module is the report only: the plots, the page around them and the CLI.
+What each plot shows is computed by `harts.tools.viz_data` (plan queries) and
+drawn with `harts.tools.svg` (the SVG toolkit). The page is a pure function of
+the plan, the tree choice and the planning time: the same inputs give the same
+bytes, so two pages can be compared with `cmp`.
 """
 from __future__ import annotations
 
 import argparse
-import html
 import math
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +36,13 @@ from harts.schema.atomic import atomic_write_bytes, check_output_path
 from harts.schema.plan import Plan, read_plan
 from harts.schema.summary import plan_statistics
 from harts.tools.stats import read_planning_seconds
+from harts.tools.svg import (CHAR_PX, GRID, INK, MUTED, WIDTH, bar_chart, esc, fmt, legend, line,
+                             message_svg, nice_ticks, rect, svg, text)
+# harts.tools.diff and the tests import plan queries from here, as they did before
+# the split: keep these names importable from harts.tools.viz.
+from harts.tools.viz_data import (TreeView, cached_rows, grid_shape, microbatch_original_tokens,
+                                  microbatch_window, plan_producers, producer_rows, slot_parts,
+                                  tree_view, window_spans)
 
 PLOT_IDS = ("work", "balance", "compression", "rounds", "windows", "tree")
 
@@ -44,341 +50,6 @@ PLOT_IDS = ("work", "balance", "compression", "rounds", "windows", "tree")
 CONSUMER, CACHED, PRODUCER, REPLAY = "#4e79a7", "#a0cbe8", "#f28e2b", "#e15759"
 ROUND_COLORS = ("#4e79a7", "#59a14f", "#b07aa1", "#9c755f", "#76b7b2", "#edc948", "#ff9da7")
 WINDOW_COLORS = ("#ffbe7d", "#8cd17d", "#b6992d", "#86bcb6", "#d4a6c8", "#f1ce63", "#fabfd2")
-INK, MUTED, GRID = "#222", "#666", "#e4e4e4"
-WIDTH = 960                   # every plot's width in px (the page is 1000 px wide)
-MAX_TREE_SEGMENTS = 160       # lanes drawn in the tree plot; larger trees are cut, and say so
-CHAR_PX = 6.1                 # approximate width of one 11 px sans-serif character
-
-
-# ----------------------------------------------------------------------------- plan reading
-
-def plan_producers(plan: Plan) -> list[dict]:
-    """L2 producers, wherever the plan keeps them; [] for an L1 plan."""
-    producers = getattr(plan, "producers", None)
-    if producers is None:
-        producers = plan.step.get("producers")
-    return list(producers or [])
-
-
-def microbatch_window(mb: dict) -> int:
-    window = mb.get("window")
-    return -1 if window is None else int(window)
-
-
-def cached_rows(mb: dict) -> int:
-    """Rows of this consumer whose decoder states come from its window's producer."""
-    cached_by = mb.get("row_cached_by")
-    return 0 if cached_by is None else int(np.count_nonzero(np.asarray(cached_by) >= 0))
-
-
-def producer_rows(producer: dict) -> int:
-    if "row_token" in producer:
-        return len(producer["row_token"])
-    return int(producer.get("num_rows", 0))
-
-
-def grid_shape(plan: Plan) -> tuple[int, int]:
-    dp = int(plan.flags["dp"])
-    slots = 1 + max((int(mb["slot"]) for mb in plan.microbatches), default=-1)
-    return dp, slots
-
-
-def window_spans(plan: Plan) -> dict[int, tuple[int, int]]:
-    """window id -> (first slot, last slot); replicas share window boundaries."""
-    spans: dict[int, tuple[int, int]] = {}
-    for mb in plan.microbatches:
-        w, j = microbatch_window(mb), int(mb["slot"])
-        if w >= 0:
-            lo, hi = spans.get(w, (j, j))
-            spans[w] = (min(lo, j), max(hi, j))
-    for p in plan_producers(plan):
-        spans.setdefault(int(p["window"]), (0, 0))
-    return dict(sorted(spans.items()))
-
-
-def slot_parts(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """producer[d, j], consumer decoder[d, j], consumer cached[d, j] rows."""
-    dp, slots = grid_shape(plan)
-    producer = np.zeros((dp, slots), dtype=np.int64)
-    decoder = np.zeros((dp, slots), dtype=np.int64)
-    cached = np.zeros((dp, slots), dtype=np.int64)
-    for mb in plan.microbatches:
-        d, j = int(mb["replica"]), int(mb["slot"])
-        c = cached_rows(mb)
-        cached[d, j] += c
-        decoder[d, j] += len(mb["row_token"]) - c
-    spans = window_spans(plan)
-    for p in plan_producers(plan):
-        first_slot = spans[int(p["window"])][0]
-        if slots:
-            producer[int(p["replica"]), first_slot] += producer_rows(p)
-    return producer, decoder, cached
-
-
-def microbatch_original_tokens(plan: Plan, mb: dict) -> int:
-    offsets = np.asarray(plan.step["token_offsets"], dtype=np.int64)
-    members = np.asarray(mb["member_trajectory"], dtype=np.int64)
-    return int((offsets[members + 1] - offsets[members]).sum())
-
-
-def member_rows(mb: dict, member_index: int) -> np.ndarray:
-    runs = mb["member_run_offsets"]
-    lo, hi = int(runs[member_index]), int(runs[member_index + 1])
-    starts, lengths = mb["run_row_start"][lo:hi], mb["run_length"][lo:hi]
-    if hi == lo:
-        return np.zeros(0, dtype=np.int64)
-    return np.concatenate([np.arange(s, s + n) for s, n in zip(starts.tolist(), lengths.tolist())])
-
-
-# ----------------------------------------------------------------------------- the tree
-
-@dataclass(frozen=True, slots=True)
-class SegmentBar:
-    """One segment of the drawn tree: positions [start, end), its rounds, replay and exports."""
-
-    index: int
-    parent: int
-    level: int
-    start: int
-    end: int
-    rounds: tuple[int, ...]
-    multiplicity: int
-    replays: tuple[tuple[int, int], ...]   # (anchor, first position) of each sequence starting here
-    exports: tuple[int, ...]               # positions after which a boundary state is exported
-
-
-@dataclass(frozen=True, slots=True)
-class TreeView:
-    label: str
-    microbatch: int
-    trajectories: int
-    segments: tuple[SegmentBar, ...]      # DFS preorder, parents first
-    total_segments: int
-    chunk_size: int
-    note: str
-
-
-def tree_key(plan: Plan, trajectory: int):
-    trees = plan.step.get("trees") or []
-    key = trees[trajectory] if trajectory < len(trees) else None
-    return None if key is None else str(key)
-
-
-def choose_tree(plan: Plan, tree_id: str | None) -> tuple[int, list[int], str, str]:
-    """(microbatch index, member indices inside it, label, note) of the tree to draw."""
-    if not plan.microbatches:
-        raise HartsError("plan has no microbatches; fix: compile a non-empty trees file")
-    offsets = np.asarray(plan.step["token_offsets"], dtype=np.int64)
-    if tree_id is not None:
-        holders = []
-        for i, mb in enumerate(plan.microbatches):
-            members = [k for k, t in enumerate(mb["member_trajectory"].tolist()) if tree_key(plan, t) == tree_id]
-            if members:
-                tokens = sum(int(offsets[t + 1] - offsets[t]) for t in mb["member_trajectory"][members].tolist())
-                holders.append((-tokens, i, members))
-        if not holders:
-            known = sorted({k for t in range(int(plan.step["num_trajectories"])) if (k := tree_key(plan, t))})
-            shown = ", ".join(known[:5]) + (", ..." if len(known) > 5 else "")
-            raise HartsError(f"tree '{tree_id}' is not in the plan; fix: pass one of its trees "
-                             f"({shown or 'the plan records no tree ids: omit --tree'})")
-        holders.sort()
-        _, i, members = holders[0]
-        note = ""
-        if len(holders) > 1:
-            others = ", ".join(str(h[1]) for h in holders[1:6]) + (", ..." if len(holders) > 6 else "")
-            note = f"The planner split this tree; its other trajectories are in microbatch {others}."
-        return i, members, f"tree {tree_id}", note
-    mb = plan.microbatches[0]
-    groups: dict[str, list[int]] = {}
-    for k, t in enumerate(mb["member_trajectory"].tolist()):
-        key = tree_key(plan, t)
-        if key is None:  # no tree ids recorded: a tree is everything below one root row
-            key = f"root row {int(mb['run_row_start'][mb['member_run_offsets'][k]])}"
-        groups.setdefault(key, []).append(k)
-
-    def size(item):
-        return sum(int(offsets[t + 1] - offsets[t]) for t in mb["member_trajectory"][item[1]].tolist())
-
-    key, members = max(groups.items(), key=size)
-    label = key if key.startswith("root row") else f"tree {key}"
-    return 0, members, label, "The largest tree (original tokens) of the first microbatch."
-
-
-def tree_view(plan: Plan, tree_id: str | None) -> TreeView:
-    i, members, label, note = choose_tree(plan, tree_id)
-    mb = plan.microbatches[i]
-    seg_start = np.asarray(mb["segment_row_start"], dtype=np.int64)
-    seg_parent = np.asarray(mb["segment_parent"], dtype=np.int64)
-    seg_level = np.asarray(mb["segment_level"], dtype=np.int64)
-    position = np.asarray(mb["row_position"], dtype=np.int64)
-    seq_start = np.asarray(mb["sequence_row_start"], dtype=np.int64)
-    seq_round = np.asarray(mb["sequence_round"], dtype=np.int64)
-    anchors = np.asarray(mb["sequence_start_position"], dtype=np.int64)
-    replay_len = np.diff(np.asarray(mb["sequence_replay_offsets"], dtype=np.int64))
-    export_row = np.asarray(mb["export_row"], dtype=np.int64)
-
-    covered = np.zeros(len(mb["row_token"]), dtype=bool)
-    for k in members:
-        covered[member_rows(mb, k)] = True
-    wanted = set(np.flatnonzero(covered[seg_start[:-1]]).tolist())
-    children: dict[int, list[int]] = {}
-    for v in sorted(wanted):
-        children.setdefault(int(seg_parent[v]), []).append(v)
-    order: list[int] = []
-    stack = list(reversed(children.get(-1, [])))
-    # A tree's segments are closed under parents; a parent outside `wanted` would
-    # be a broken plan, and its orphans are drawn as roots rather than dropped.
-    stack += [v for v in sorted(wanted) if seg_parent[v] >= 0 and int(seg_parent[v]) not in wanted]
-    while stack:
-        v = stack.pop()
-        order.append(v)
-        stack.extend(reversed(children.get(v, [])))
-
-    bars = []
-    for v in order[:MAX_TREE_SEGMENTS]:
-        lo, hi = int(seg_start[v]), int(seg_start[v + 1])
-        q_lo = int(np.searchsorted(seq_start, lo, side="right") - 1)
-        q_hi = int(np.searchsorted(seq_start, hi - 1, side="right") - 1)
-        starting = [q for q in range(q_lo, q_hi + 1) if lo <= seq_start[q] < hi]
-        replays = tuple((int(anchors[q]), int(position[seq_start[q]])) for q in starting if replay_len[q] > 0)
-        in_segment = export_row[(export_row >= lo) & (export_row < hi)]
-        bars.append(SegmentBar(
-            index=v, parent=int(seg_parent[v]), level=int(seg_level[v]),
-            start=int(position[lo]), end=int(position[hi - 1]) + 1,
-            rounds=tuple(sorted(set(seq_round[q_lo:q_hi + 1].tolist()))),
-            multiplicity=int(mb["row_multiplicity"][lo]), replays=replays,
-            exports=tuple(sorted((position[in_segment] + 1).tolist()))))
-    return TreeView(label=label, microbatch=i, trajectories=len(members), segments=tuple(bars),
-                    total_segments=len(order), chunk_size=int(plan.flags["chunk_size"]), note=note)
-
-
-# ----------------------------------------------------------------------------- SVG helpers
-
-def esc(value) -> str:
-    return html.escape(str(value), quote=True)
-
-
-def fmt(value: float) -> str:
-    if isinstance(value, (int, np.integer)) or float(value).is_integer():
-        return f"{int(value):,}"
-    return f"{value:,.2f}" if abs(value) >= 10 else f"{value:.3g}"
-
-
-def nice_ticks(top: float, count: int = 5, integer: bool = False) -> list[float]:
-    """0 .. >= top in 1-2-5 steps."""
-    if top <= 0:
-        return [0, 1]
-    raw = top / count
-    magnitude = 10 ** math.floor(math.log10(raw))
-    step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
-    if integer:
-        step = max(1, math.ceil(step))
-    n = math.ceil(top / step - 1e-9)
-    return [round(k * step, 10) for k in range(n + 1)]
-
-
-def text(x, y, content, *, size=11, anchor="start", color=INK, weight="normal", rotate=None) -> str:
-    transform = f' transform="rotate({rotate} {x:.1f} {y:.1f})"' if rotate is not None else ""
-    bold = ' font-weight="bold"' if weight != "normal" else ""
-    return (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" fill="{color}"'
-            f'{bold}{transform}>{esc(content)}</text>')
-
-
-def rect(x, y, w, h, fill, *, stroke=None, extra="", tip=None) -> str:
-    outline = f' stroke="{stroke}"' if stroke else ""
-    body = f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(w, 0):.1f}" height="{max(h, 0):.1f}" fill="{fill}"{outline}{extra}'
-    return body + (f"><title>{esc(tip)}</title></rect>" if tip else "/>")
-
-
-def line(x1, y1, x2, y2, color, *, width=1.0, dash=None) -> str:
-    dashed = f' stroke-dasharray="{dash}"' if dash else ""
-    return (f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" stroke="{color}" '
-            f'stroke-width="{width}"{dashed}/>')
-
-
-def legend(items: list[tuple[str, str]], x_right: float, y: float) -> str:
-    """Swatches right-aligned at the top of a plot."""
-    parts, x = [], x_right
-    for label, color in reversed(items):
-        x -= len(label) * CHAR_PX + 8
-        parts.append(text(x, y + 9, label, size=11))
-        x -= 16
-        parts.append(rect(x, y, 12, 12, color, extra=' class="swatch"'))
-        x -= 14
-    return "".join(parts)
-
-
-def svg(svg_id: str, height: float, body: list[str], title: str) -> str:
-    return (f'<svg id="{svg_id}" width="{WIDTH}" height="{height:.0f}" '
-            f'viewBox="0 0 {WIDTH} {height:.0f}" role="img" aria-label="{esc(title)}" '
-            f'font-family="DejaVu Sans, Helvetica, Arial, sans-serif">{"".join(body)}</svg>')
-
-
-def message_svg(svg_id: str, message: str) -> str:
-    body = [rect(0.5, 0.5, WIDTH - 1, 59, "#fafafa", stroke=GRID), text(WIDTH / 2, 35, message, size=13,
-                                                                     anchor="middle", color=MUTED)]
-    return svg(svg_id, 60, body, message)
-
-
-def bar_chart(svg_id: str, *, title: str, labels: list[str], series: list[tuple[str, str, np.ndarray]],
-              y_label: str, x_label: str, groups: list[tuple[str, int, int]] | None = None,
-              refs: tuple[tuple[float, str, str], ...] = (), y_top: float | None = None,
-              integer_y: bool = False, tips: list[str] | None = None, height: int = 250) -> str:
-    """Stacked bars, optionally in groups (a gap between groups, group labels under the axis)."""
-    n = len(labels)
-    ml, mr, mt, mb_ = 70, 20, 30, 58 if groups else 46
-    pw, ph = WIDTH - ml - mr, height - mt - mb_
-    totals = sum((np.asarray(v, dtype=float) for _, _, v in series), np.zeros(n))
-    top = y_top if y_top is not None else max([float(totals.max()) if n else 0.0] + [r[0] for r in refs]) * 1.08
-    ticks = nice_ticks(top, integer=integer_y)
-    top = ticks[-1]
-    group_of = np.zeros(n, dtype=np.int64)
-    if groups:
-        for g, (_, first, count) in enumerate(groups):
-            group_of[first:first + count] = g
-    gap = 0.8 if groups and len(groups) > 1 else 0.0
-    unit = pw / max(n + gap * (group_of[-1] if n else 0), 1)
-    bar_w = min(max(unit * 0.8, 1.0), 56.0)
-
-    def x_of(k: int) -> float:
-        return ml + (k + gap * group_of[k]) * unit + (unit - bar_w) / 2
-
-    def y_of(v: float) -> float:
-        return mt + ph - ph * (v / top if top else 0)
-
-    body = [text(ml, 16, title, size=12, weight="bold")]
-    for t in ticks:
-        body.append(line(ml, y_of(t), ml + pw, y_of(t), GRID))
-        body.append(text(ml - 6, y_of(t) + 4, fmt(t), size=10, anchor="end", color=MUTED))
-    for k in range(n):
-        base, parts = 0.0, []
-        for name, color, values in series:
-            v = float(values[k])
-            if v > 0:
-                parts.append(rect(x_of(k), y_of(base + v), bar_w, y_of(base) - y_of(base + v), color))
-            base += v
-        tip = tips[k] if tips else f"{labels[k]}: {fmt(base)}"
-        body.append(f"<g><title>{esc(tip)}</title>{''.join(parts)}</g>")
-    for value, label, color in refs:
-        body.append(line(ml, y_of(value), ml + pw, y_of(value), color, width=1.5, dash="6 4"))
-        body.append(text(ml + pw - 4, y_of(value) - 5, label, size=10, anchor="end", color=color))
-    body.append(line(ml, mt + ph, ml + pw, mt + ph, INK))
-    body.append(line(ml, mt, ml, mt + ph, INK))
-    every = max(1, math.ceil(max((len(s) for s in labels), default=1) * 6.5 / unit)) if n else 1
-    for k in range(0, n, every):
-        body.append(text(x_of(k) + bar_w / 2, mt + ph + 14, labels[k], size=10, anchor="middle", color=MUTED))
-    if groups:
-        g_every = max(1, math.ceil(max(len(g[0]) for g in groups) * 6.5 / max(unit * groups[0][2], 1)))
-        for g, (label, first, count) in enumerate(groups):
-            if g % g_every:
-                continue
-            centre = (x_of(first) + x_of(first + count - 1) + bar_w) / 2
-            body.append(text(centre, mt + ph + 30, label, size=11, anchor="middle"))
-    body.append(text(ml + pw / 2, height - 6, x_label, size=11, anchor="middle"))
-    body.append(text(16, mt + ph / 2, y_label, size=11, anchor="middle", rotate=-90))
-    if len(series) > 1:
-        body.append(legend([(name, color) for name, color, _ in series], ml + pw, 4))
-    return svg(svg_id, height, body, title)
 
 
 # ----------------------------------------------------------------------------- the plots
