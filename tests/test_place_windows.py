@@ -304,6 +304,18 @@ def test_rank_columns_give_every_slot_group_one_consumer_per_column(lists, dp, a
     np.testing.assert_array_equal(columns[order[:dp]], plain[order[:dp]], "the first group is dealt by load alone")
 
 
+def _step_wise_forest(seed: int, trees: int) -> list[list[int]]:
+    """Sorted distinct trajectories: per tree a random stem, 2-5 branches, three nested samples per branch."""
+    rng = np.random.default_rng(seed)
+    lists = []
+    for tree in range(trees):
+        stem = [100 + tree] + rng.integers(0, 5, size=int(rng.integers(10, 60))).tolist()
+        for branch in range(int(rng.integers(2, 6))):
+            tail = rng.integers(0, 5, size=int(rng.integers(5, 40))).tolist()
+            lists += [stem + [branch] + tail[:cut] for cut in (len(tail) // 3, 2 * len(tail) // 3, len(tail))]
+    return sorted(list(t) for t in {tuple(t) for t in lists})
+
+
 def test_exchanges_lower_phi_and_keep_the_placement_valid():
     """A random forest at D = 3 where trading whole consumers between replicas lowers Phi.
 
@@ -311,15 +323,7 @@ def test_exchanges_lower_phi_and_keep_the_placement_valid():
     strictly drops (this input is pinned because exchanges do not always find
     a swap), the placement still verifies and tokens stay within L1's.
     """
-    rng = np.random.default_rng(1)
-    lists = []
-    for tree in range(8):
-        stem = [100 + tree] + rng.integers(0, 5, size=int(rng.integers(10, 60))).tolist()
-        for branch in range(int(rng.integers(2, 6))):
-            tail = rng.integers(0, 5, size=int(rng.integers(5, 40))).tolist()
-            lists += [stem + [branch] + tail[:cut] for cut in (len(tail) // 3, 2 * len(tail) // 3, len(tail))]
-    lists = sorted(list(t) for t in {tuple(t) for t in lists})
-    lengths, lcp = lengths_and_lcp(lists)
+    lengths, lcp = lengths_and_lcp(_step_wise_forest(seed=1, trees=8))
     capacity = int(1.5 * lengths.max())
     partition = partition_microbatches(lengths, lcp, capacity=capacity, dp=3)
     trie = type("Trie", (), {"lengths": lengths, "lcp": lcp})
@@ -549,15 +553,7 @@ def test_a_slot_leaders_excess_is_its_lead_over_the_slots_second_highest():
 
 def _random_forest_placements(seed: int):
     """(unrefined, refined, lengths, lcp, capacity, partition) on a random forest at D = 3, no exchanges."""
-    rng = np.random.default_rng(seed)
-    lists = []
-    for tree in range(10):
-        stem = [100 + tree] + rng.integers(0, 5, size=int(rng.integers(10, 60))).tolist()
-        for branch in range(int(rng.integers(2, 6))):
-            tail = rng.integers(0, 5, size=int(rng.integers(5, 40))).tolist()
-            lists += [stem + [branch] + tail[:cut] for cut in (len(tail) // 3, 2 * len(tail) // 3, len(tail))]
-    lists = sorted(list(t) for t in {tuple(t) for t in lists})
-    lengths, lcp = lengths_and_lcp(lists)
+    lengths, lcp = lengths_and_lcp(_step_wise_forest(seed, trees=10))
     capacity = int(1.5 * lengths.max())
     partition = partition_microbatches(lengths, lcp, capacity=capacity, dp=3)
     trie = type("Trie", (), {"lengths": lengths, "lcp": lcp})
