@@ -41,16 +41,19 @@ def check_output_path(path: str | os.PathLike, *, inputs=()) -> Path:
         with contextlib.suppress(OSError):
             if target.exists() and os.path.samefile(target, source):
                 raise OutputError(text, "it is also an input and would be overwritten", "write to another file")
-    folder = target.parent
-    while not folder.exists():
-        if folder.is_symlink() or folder == folder.parent:
-            break
+    check_can_create_under(text, target.parent)
+    return target
+
+
+def check_can_create_under(label: str, folder: Path) -> None:
+    """Refuse (OutputError about `label`) a folder whose nearest existing ancestor, itself included,
+    is a file or a folder this process cannot write: nothing could be created below it."""
+    while not folder.exists() and not folder.is_symlink() and folder != folder.parent:
         folder = folder.parent
     if folder.exists() and not folder.is_dir():
-        raise OutputError(text, f"{folder} is a file, not a folder", "choose a path whose folders are folders")
+        raise OutputError(label, f"{folder} is a file, not a folder", "choose a path whose folders are folders")
     if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
-        raise OutputError(text, f"folder {folder} is not writable", "choose a folder you can write to")
-    return target
+        raise OutputError(label, f"folder {folder} is not writable", "choose a folder you can write to")
 
 
 def _temporary_beside(path: Path):

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from harts.compiler import cli as hartsc
+from harts.schema.atomic import check_can_create_under
 from harts.schema.errors import HartsError, OutputError
 from harts.tools import check, gen
 
@@ -45,11 +46,7 @@ def prepare_out(out: str | None) -> Path:
     folder = Path(out)
     if folder.exists() and not folder.is_dir():
         raise OutputError(out, "it is a file, not a folder", "give a new or existing folder for --out")
-    above = folder.parent
-    while not above.exists() and above != above.parent:
-        above = above.parent
-    if not above.is_dir():
-        raise OutputError(out, f"{above} is a file, not a folder", "choose a path whose folders are folders")
+    check_can_create_under(out, folder.parent)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:

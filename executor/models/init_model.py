@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from harts.progress import quiet_library_progress
+from harts.schema.atomic import check_can_create_under
 from harts.schema.errors import HartsError, OutputError, UsageError
 
 ARCHITECTURES = ("kimi_linear", "qwen3_next")
@@ -165,13 +166,7 @@ def check_model_dir(out: str | os.PathLike, *, replace: bool = False) -> Path:
         if not replace:
             raise OutputError(text, "the folder already holds a model", "pass --replace to replace it, "
                               "or give a new folder")
-    parent = target.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise OutputError(text, f"{parent} is a file, not a folder", "choose a path whose folders are folders")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputError(text, f"folder {parent} is not writable", "choose a folder you can write to")
+    check_can_create_under(text, target.parent)
     return target
 
 
