@@ -126,9 +126,8 @@ class PositionMeta:
 
 
 def policy_loss(logprobs_P: torch.Tensor, meta: PositionMeta, config: LossConfig) -> torch.Tensor:
-    """This microbatch's share of the step loss: sum over its positions of weight x term."""
-    if config.kind not in LOSSES:
-        raise UsageError(f"loss must be one of {LOSSES}, got {config.kind!r}")
+    """This microbatch's share of the step loss: sum over its positions of weight x term
+    (`config` is valid: LossConfig checks its fields on construction)."""
     lam = logprobs_P.to(torch.float64)
     weight = meta.weight.to(torch.float64)
     if config.kind == "nll":

@@ -223,8 +223,6 @@ def _validate_computation(record: _Record, trajectories: int, consumer: bool) ->
     record.bounded("row_parent", -1, rows, rows)
     if consumer:
         record.bounded("row_multiplicity", 0, _INT32_END, rows)
-        if "row_cached_by" in record.fields:
-            record.bounded("row_cached_by", -1, _INT32_END, rows)
 
     rounds = record.integer("num_rounds", 0)
     sequences = record.same_length(_SEQUENCE_KEYS)
@@ -274,7 +272,7 @@ def _validate_cached_reads(record: _Record, producer: tuple[int, int]) -> None:
     """A consumer reads only its own (window, replica) producer: cached rows and start states within it."""
     producer_rows, producer_exports = producer
     if "row_cached_by" in record.fields:
-        record.bounded("row_cached_by", -1, producer_rows)
+        record.bounded("row_cached_by", -1, producer_rows, len(record.fields["row_token"]))
     if "residual_sequence_producer_state" in record.fields:
         record.bounded("residual_sequence_producer_state", -1, producer_exports)
 
@@ -293,6 +291,5 @@ def _validate_residual(record: _Record, rows: int) -> None:
     exports = record.same_length(_RESIDUAL_EXPORT_KEYS)
     record.bounded("residual_export_sequence", 0, sequences)
     record.bounded("residual_export_chunk", 0, rows + 2)
-    record.bounded("residual_sequence_producer_state", -1)
     record.bounded("residual_sequence_start_state", -1, exports)
     record.reads_earlier_rounds("residual_sequence_start_state", "residual_export_sequence", "residual_sequence_round")
