@@ -1,8 +1,8 @@
-"""Update throughput on CPU: per-trajectory Hugging Face, expanded, compact and node-wise.
+"""Update throughput: per-trajectory Hugging Face, expanded, compact and node-wise.
 
 Usage:
     python benchmarks/bench_update.py [--workloads stepwise,treestep,treestep-branchy] [--preset tiny]
-                                      [--capacity 16384]
+                                      [--capacity 16384] [--device cpu|cuda]
 
 For each generated workload (step-wise and tree-step, SWE-shaped but scaled
 down so a CPU finishes) and a tiny Kimi Linear model, every configuration runs
@@ -10,10 +10,11 @@ forward + backward of the `nll` loss over the whole step in its own process
 (so each peak RSS is its own), planning included where it plans:
 
 * `hf-per-trajectory`: the Hugging Face model's own forward/backward on one
-  trajectory at a time, with transformers' KDA chunk fallback replaced by our
-  chunk op (same math; the fallback's 64-step Python loop and [.., 64, 64, K]
-  mask made the baseline ~5x slower, which would flatter HARTS), with the
-  same objective (token mean over loss_mask = 1 positions);
+  trajectory at a time, with the same objective (token mean over
+  loss_mask = 1 positions). On CPU, transformers' KDA chunk fallback is
+  replaced by our chunk op (same math; the fallback's 64-step Python loop and
+  [.., 64, 64, K] mask made the baseline ~5x slower, which would flatter
+  HARTS); on CUDA with fla installed the model keeps its own (fla's) kernels;
 * `expanded`: our executor with sharing disabled (every trajectory alone);
 * `compact`: the plan's compact rows, minimum-call rounds and replay;
 * `nodewise`: compact rows with one linear-attention call per tree segment
@@ -29,6 +30,10 @@ forward + backward of the `nll` loss over the whole step in its own process
 (only the positions the loss weighs are recovered, so the LM head skips
 prompt and tool-output rows); the per-trajectory baseline is unchanged.
 
+`--device cuda` runs the model on the GPU (our linear attention then takes
+fla's kernels when they import, see `HARTS_LINEAR_ATTENTION`), waits for the
+GPU before each clock read, and reports peak GPU memory instead of RSS.
+
 Throughput is original tokens / wall seconds (compile + forward + backward),
 the median of `--repeat` runs in the configuration's process (the first run
 of a process pays one-time allocator and thread-pool warm-up); with
@@ -41,6 +46,7 @@ node-wise; expanded no slower than 1.2 x the per-trajectory baseline.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import subprocess
@@ -72,24 +78,28 @@ def generate(workload: str, vocab: int, out: Path) -> None:
 
 
 def child(config: str, trees: str, model_dir: str, chunk_size: int, capacity: int, repeat: int,
-          max_window_slots: int, logprobs: str) -> None:
-    """Run one configuration `repeat` times and print a JSON line (median seconds, rows, peak RSS)."""
+          max_window_slots: int, logprobs: str, device: str) -> None:
+    """Run one configuration `repeat` times and print a JSON line (median seconds, rows, peak memory)."""
     import torch
 
     from harts.compiler.read_trees import read_trees
     from harts.executor.cli import load_model
 
     torch.manual_seed(0)
-    model = load_model(model_dir)
+    on_gpu = device == "cuda"
+    model = load_model(model_dir).to(device)
     batch = read_trees(trees)
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
         rows, compression = one_update(config, batch, model, chunk_size, capacity, max_window_slots, logprobs)
+        if on_gpu:
+            torch.cuda.synchronize()   # kernels run asynchronously: the step ends when the GPU is done
         times.append(time.perf_counter() - started)
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if on_gpu
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     print(json.dumps({"seconds": float(np.median(times)), "rows": rows, "compression": compression,
-                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "tokens": int(batch.num_tokens)}))
+                      "peak_mib": peak, "tokens": int(batch.num_tokens)}))
 
 
 def one_update(config: str, batch, model, chunk_size: int, capacity: int,
@@ -102,13 +112,20 @@ def one_update(config: str, batch, model, chunk_size: int, capacity: int,
     from harts.executor.runtime import run_step
 
     if config == "hf-per-trajectory":
-        with our_kda_core():
+        # transformers calls fla's kernels on CUDA when fla imports; everywhere else it runs its slow
+        # fallback, which our chunk op (same math) replaces.
+        from harts.executor.ops.linear_attention.backend import fla_import_error
+
+        uses_fallback = next(model.parameters()).device.type == "cpu" or fla_import_error() is not None
+        with our_kda_core() if uses_fallback else contextlib.nullcontext():
             model.zero_grad(set_to_none=True)
             # The same objective as the executor's `nll`: the token mean over loss_mask = 1 positions.
             offsets = batch.token_offsets
-            masks = [torch.as_tensor(batch.loss_mask[offsets[t] + 1:offsets[t + 1]], dtype=torch.float32)
-                     for t in range(batch.num_trajectories)]
-            count = max(1, int(sum(int(m.sum()) for m in masks)))
+            device = next(model.parameters()).device
+            masks = [torch.as_tensor(batch.loss_mask[offsets[t] + 1:offsets[t + 1]], dtype=torch.float32,
+                                     device=device) for t in range(batch.num_trajectories)]
+            count = max(1, int(sum(int(batch.loss_mask[offsets[t] + 1:offsets[t + 1]].sum())
+                                   for t in range(batch.num_trajectories))))
             rows = 0
             for t in range(batch.num_trajectories):
                 tokens = batch.tokens_of(t)
@@ -149,12 +166,19 @@ def main() -> None:
                         help="windows: no window spans more slots than this (default 0: no limit)")
     parser.add_argument("--logprobs", choices=("all", "loss"), default="all",
                         help="positions our configurations recover (harts run --logprobs; default all)")
-    parser.add_argument("--child", nargs=8, metavar=("CONFIG", "TREES", "MODEL", "B", "T", "R", "W", "LP"),
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the model runs (default cpu)")
+    parser.add_argument("--child", nargs=9, metavar=("CONFIG", "TREES", "MODEL", "B", "T", "R", "W", "LP", "DEV"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child[0], args.child[1], args.child[2], *(int(v) for v in args.child[3:7]), args.child[7])
+        child(args.child[0], args.child[1], args.child[2], *(int(v) for v in args.child[3:7]), *args.child[7:])
         return
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device is visible")
 
     from harts.executor.models.init_model import init_model
 
@@ -162,7 +186,7 @@ def main() -> None:
     vocab = 4096
     model_dir = folder / "model"
     init_model("kimi_linear", args.preset, model_dir, vocab_size=vocab)
-    print(f"model: kimi_linear {args.preset}, vocab {vocab}; workloads in {folder}", file=sys.stderr)
+    print(f"model: kimi_linear {args.preset}, vocab {vocab}, on {args.device}; workloads in {folder}", file=sys.stderr)
     table = []
     for kind in args.workloads.split(","):
         trees = folder / f"{kind}.jsonl"
@@ -174,23 +198,27 @@ def main() -> None:
             for config in args.configs.split(","):
                 out = subprocess.run([sys.executable, __file__, "--child", config, str(trees), str(model_dir),
                                       str(args.chunk_size), str(args.capacity), str(args.repeat),
-                                      str(args.max_window_slots), args.logprobs],
+                                      str(args.max_window_slots), args.logprobs, args.device],
                                      capture_output=True, text=True)
                 if out.returncode != 0:
                     raise SystemExit(f"{config} on {kind} failed:\n{out.stderr[-3000:]}")
                 runs.setdefault(config, []).append(json.loads(out.stdout.strip().splitlines()[-1]))
                 print(f"  {kind:<9} {config:<18} {runs[config][-1]['seconds']:.1f}s", file=sys.stderr)
         results = {config: dict(r[0], seconds=float(np.median([x["seconds"] for x in r])),
-                                peak_rss_mib=max(x["peak_rss_mib"] for x in r)) for config, r in runs.items()}
+                                peak_mib=max(x["peak_mib"] for x in r)) for config, r in runs.items()}
         table.append((kind, results))
 
     print(f"{'workload':<16} {'configuration':<36} {'tokens':>8} {'rows':>8} {'compr.':>7} {'seconds':>8} "
           f"{'tokens/s':>9} {'peak MiB':>9}")
+    from harts.executor.ops.linear_attention.backend import fla_import_error
+
+    own = args.device == "cuda" and fla_import_error() is None
+    core = " (its own fla kernels)" if own else " (our KDA chunk core)"
     for kind, results in table:
         for config, r in results.items():
-            name = config + (" (our KDA chunk core)" if config == "hf-per-trajectory" else "")
+            name = config + (core if config == "hf-per-trajectory" else "")
             print(f"{kind:<16} {name:<36} {r['tokens']:>8} {r['rows']:>8} {r['compression']:>6.2f}x "
-                  f"{r['seconds']:>8.2f} {r['tokens'] / r['seconds']:>9.0f} {r['peak_rss_mib']:>9.0f}")
+                  f"{r['seconds']:>8.2f} {r['tokens'] / r['seconds']:>9.0f} {r['peak_mib']:>9.0f}")
         rate = {c: r["tokens"] / r["seconds"] for c, r in results.items()}
         if {"compact", "expanded"} <= rate.keys():
             ratio = rate["compact"] / rate["expanded"]

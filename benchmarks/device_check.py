@@ -1,26 +1,77 @@
-"""The CUDA check run when a GPU machine is lent: fla's kernels against our ops, and a timing table.
+"""The CUDA check run when a GPU machine is lent: fla's kernels against our ops, the model against
+Hugging Face on the GPU, host synchronisations, and timing tables.
 
 Usage (on a machine with CUDA and `pip install -e '.[dev,cuda]'`):
-    python benchmarks/device_check.py [--rounds 8] [--repeat 5]
+    python benchmarks/device_check.py [--repeat 5] [--sections ops,fidelity,...] [--budget-s S]
 
-1. Correctness: random packed rounds (B = 64, mid-sequence exports, handed-in
-   initial states, per-channel and scalar gates, grouped heads) through
-   `fla_linear_attention` (fla's chunk_kda / chunk_gated_delta_rule) and our
-   torch `chunk_linear_attention`, both on the GPU, in float32 and bfloat16:
-   max relative difference of outputs, exported states and the gradients of
-   every input, against the float64 torch op as the reference.
-2. Timing: forward + backward of one round per size, torch op vs fla, and
-   the tiny Kimi Linear step compact vs node-wise with each backend.
+Sections, in order (each prints as it finishes; one that fails prints its
+error and the rest still run):
 
-Without CUDA or fla it says so and exits 0: nothing here is a test, and no
-test depends on it.
+* `ops`: random packed rounds (B = 64, mid-sequence exports, handed-in
+  initial states, per-channel and scalar gates, grouped heads) through
+  `fla_linear_attention` (fla's chunk_kda / chunk_gated_delta_rule) and our
+  torch `chunk_linear_attention`, both on the GPU, in float32 and bfloat16:
+  max relative difference of outputs, exported states and the gradients of
+  every input, against the float64 torch op.
+* `fidelity`: the tests' boundary tree (forks on, just before and just after
+  chunk boundaries, duplicates, strict prefixes) on tiny Kimi Linear and
+  Qwen3-Next in float32 on the GPU. Reference: the Hugging Face model's own
+  forward and backward per trajectory on the GPU (which calls fla's kernels
+  itself when fla imports). Ours: compact with the fla backend, compact with
+  the torch op, and an L1+L2 plan with a sharing window. Max |d logprob| and
+  the worst relative gradient error (the tests' rule and floor).
+* `syncs`: host synchronisations of one compact step (torch's sync debug
+  mode), by source line.
+* `op-timing`: forward + backward of one round per size, torch op vs fla.
+* `update`: `benchmarks/bench_update.py`'s configurations in one process on
+  the GPU (warm-up, then the median of `--repeat`), planning included:
+  per-trajectory HF, expanded, compact, node-wise, each linear-attention
+  backend; L1 vs L1+L2 windows at a capacity that gives several microbatches.
+* `nccl`: `harts run` under a 1-process torchrun (nccl) against the plain
+  run: the same loss, log-probabilities and gradients.
+* `fla-compile`: how long fla's first calls take, with every thread's stack
+  printed every 30 s while they run.
+
+On the first lent H200 (torch 2.11, Triton 3.6, fla 0.6.0) fla's first
+forward had not returned after 220 s (cause not established), which starved
+every later section. Until that is understood, run the probe beside the rest
+with fla kept off the others' path (wheels under /tmp/fla, /tmp/site):
+
+    (PYTHONPATH=/tmp/fla:$PYTHONPATH python3 benchmarks/device_check.py \
+        --sections fla-compile > $OUT/fla.log 2>&1 &)
+    python3 benchmarks/device_check.py --sections fidelity,syncs,update,nccl --budget-s 300
+
+Without CUDA it says so and exits 0: nothing here is a test, and no test
+depends on it.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = ("ops", "fidelity", "syncs", "op-timing", "update", "nccl", "fla-compile")
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def backends() -> tuple[str, ...]:
+    """Our linear-attention backends that can run here: fla's only where it imports."""
+    from harts.executor.ops.linear_attention.backend import fla_import_error
+
+    return ("fla", "torch") if fla_import_error() is None else ("torch",)
+
+
+# ----------------------------------------------------------------------------- ops
 
 
 def make_round(lengths, gate, dtype, device, heads=4, qk_heads=2, key_dim=64, value_dim=64, seed=0):
@@ -65,13 +116,14 @@ def relative(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def correctness(device) -> list[str]:
+def ops(device, args) -> list[str]:
     import torch
 
     from harts.executor.ops.linear_attention import chunk_linear_attention, fla_linear_attention
 
     names = ["o", "exports", "dq", "dk", "dv", "dg", "dbeta", "dstate0"]
-    lines = [f"{'gate':<8} {'dtype':<9} {'path':<6} " + " ".join(f"{n:>9}" for n in names)]
+    lines = ["max |x - x_ref| / max |x_ref|, reference: our torch op in float64 on the GPU",
+             f"{'gate':<8} {'dtype':<9} {'path':<6} " + " ".join(f"{n:>9}" for n in names)]
     for gate in ("channel", "scalar"):
         inputs, cu, es, ec = make_round([37, 64, 300, 129, 1000, 5], gate, torch.float64, device)
         reference = round_outputs(chunk_linear_attention, inputs, cu, es, ec)
@@ -83,13 +135,13 @@ def correctness(device) -> list[str]:
     return lines
 
 
-def timing(device, repeat: int) -> list[str]:
+def op_timing(device, args) -> list[str]:
     import torch
 
     from harts.executor.ops.linear_attention import chunk_linear_attention, fla_linear_attention
 
-    lines = [f"{'tokens':>8} {'seqs':>5} {'gate':<8} {'torch ms':>9} {'fla ms':>9}"]
-    for lengths in ([4096], [256] * 16, [64] * 64, [8192, 4096, 2048, 999]):
+    lines = [f"{'tokens':>8} {'seqs':>5} {'gate':<8} {'torch ms':>9} {'fla ms':>9} {'speedup':>8}"]
+    for lengths in ([4096], [256] * 16, [64] * 64, [8192, 4096, 2048, 999], [300] * 200):
         for gate in ("channel", "scalar"):
             inputs, cu, es, ec = make_round(lengths, gate, torch.bfloat16, device)
             row = []
@@ -97,74 +149,291 @@ def timing(device, repeat: int) -> list[str]:
                 round_outputs(fn, inputs, cu, es, ec)            # warm-up (Triton compiles)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                for _ in range(repeat):
+                for _ in range(args.repeat):
                     round_outputs(fn, inputs, cu, es, ec)
                 torch.cuda.synchronize()
-                row.append(1000 * (time.perf_counter() - t0) / repeat)
-            lines.append(f"{sum(lengths):>8} {len(lengths):>5} {gate:<8} {row[0]:>9.2f} {row[1]:>9.2f}")
+                row.append(1000 * (time.perf_counter() - t0) / args.repeat)
+            lines.append(f"{sum(lengths):>8} {len(lengths):>5} {gate:<8} {row[0]:>9.2f} {row[1]:>9.2f} "
+                         f"{row[0] / row[1]:>7.2f}x")
     return lines
 
 
-def model_step(device) -> list[str]:
-    import tempfile
+# ----------------------------------------------------------------------------- model on the GPU
 
+
+def _fidelity_helpers():
+    sys.path.insert(0, str(ROOT / "tests"))
+    import fidelity
+
+    return fidelity
+
+
+def compare(result, want_logprobs, want_grads, fidelity) -> tuple[float, float, str]:
+    import numpy as np
+
+    worst_lp = max(float(np.max(np.abs(result.logprobs[str(i)][1:] - want)))
+                   for i, want in enumerate(want_logprobs))
+    floor = fidelity.gradient_floor(want_grads)
+    worst = max((fidelity.relative_error(result.grads[n].float(), g.float(), floor), n)
+                for n, g in want_grads.items())
+    return worst_lp, worst[0], worst[1]
+
+
+def fidelity_check(device, args) -> list[str]:
+    import numpy as np
     import torch
 
-    from harts.compiler.pipeline import CompileOptions, compile_batch
+    from harts.executor.runtime import run_step
+
+    fidelity = _fidelity_helpers()
+    lines = [f"{'model':<11} {'ours':<26} {'max |dlogprob|':>15} {'worst grad rel':>15}  worst parameter"]
+    lists = fidelity.boundary_tree(np.random.default_rng(0))
+    plans = {"compact": fidelity.compile_lists(lists),
+             "windows": fidelity.compile_lists(lists, capacity=250, levels="l1+l2")}
+    assert plans["windows"].producers, "capacity 250 should give the L1+L2 plan a window producer"
+    for family, build in (("kimi_linear", fidelity.tiny_kimi_linear), ("qwen3_next", fidelity.tiny_qwen3_next)):
+        model = build().to(device)
+        started = time.perf_counter()
+        want_logprobs, want_grads = fidelity.hf_reference(model, lists)
+        torch.cuda.synchronize()
+        lines.append(f"{family:<11} {'(HF per trajectory)':<26} {'':>15} {'':>15}  "
+                     f"{time.perf_counter() - started:.2f} s incl. first calls")
+        runs = [(f"compact, {b}", plans["compact"], b) for b in backends()]
+        runs.append((f"L1+L2 windows, {backends()[0]}", plans["windows"], backends()[0]))
+        for label, plan, backend in runs:
+            os.environ["HARTS_LINEAR_ATTENTION"] = backend
+            result = run_step(plan, model, mode="compact")
+            lp, grad, name = compare(result, want_logprobs, want_grads, fidelity)
+            lines.append(f"{family:<11} {label:<26} {lp:>15.2e} {grad:>15.2e}  {name}")
+        os.environ["HARTS_LINEAR_ATTENTION"] = "auto"
+        del model
+        torch.cuda.empty_cache()
+    lines.append("CPU tests require <= 1e-5 (logprob) and <= 1e-4 (gradient) against the CPU reference.")
+    return lines
+
+
+def syncs(device, args) -> list[str]:
+    """Host synchronisations of one compact step, grouped by the line that caused them."""
+    import collections
+    import warnings
+
+    import numpy as np
+    import torch
+
+    from harts.executor.runtime import run_step
+
+    fidelity = _fidelity_helpers()
+    lists = fidelity.boundary_tree(np.random.default_rng(0))
+    plan = fidelity.compile_lists(lists, capacity=250)
+    model = fidelity.tiny_kimi_linear().to(device)
+    run_step(plan, model, mode="compact")                        # warm-up
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run_step(plan, model, mode="compact")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites = collections.Counter(f"{Path(w.filename).relative_to(ROOT) if w.filename.startswith(str(ROOT)) else w.filename}"
+                                f":{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    rounds = sum(int(mb["num_rounds"]) for mb in plan.microbatches)
+    lines = [f"{sum(sites.values())} synchronising calls in one step ({len(plan.microbatches)} microbatches, "
+             f"{rounds} linear-attention rounds per layer in all)"]
+    lines += [f"{count:>6}  {site}" for site, count in sites.most_common(12)]
+    return lines
+
+
+def update(device, args) -> list[str]:
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_update
+
     from harts.compiler.read_trees import read_trees
     from harts.executor.cli import load_model
     from harts.executor.models.init_model import init_model
-    from harts.executor.runtime import run_step
+
+    folder = Path(tempfile.mkdtemp(prefix="harts-device-update-"))
+    init_model("kimi_linear", args.preset, folder / "model", vocab_size=4096)
+    model = load_model(str(folder / "model")).to(device)
+    best = backends()[0]
+    rows = [("hf-per-trajectory", "auto", 16384), ("expanded", "auto", 16384)]
+    rows += [(config, backend, 16384) for backend in backends() for config in ("compact", "nodewise")]
+    rows += [("compact", best, 4096), ("windows", best, 4096)]
+    say(f"kimi_linear {args.preset} in float32; seconds = median of {args.repeat} after a warm-up, planning "
+        "included; hf-per-trajectory runs " + ("fla's kernels" if best == "fla" else "our KDA chunk core"))
+    say(f"{'workload':<16} {'configuration':<18} {'backend':<7} {'T':>6} {'tokens':>7} {'rows':>7} "
+        f"{'compr.':>7} {'seconds':>8} {'tokens/s':>9} {'peak MiB':>9}")
+    lines = []
+    for workload in args.workloads.split(","):
+        trees = folder / f"{workload}.jsonl"
+        bench_update.generate(workload, 4096, trees)
+        batch = read_trees(str(trees))
+        rate = {}
+        for config, backend, capacity in rows:
+            os.environ["HARTS_LINEAR_ATTENTION"] = backend
+            bench_update.one_update(config, batch, model, 64, capacity)        # warm-up
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            times = []
+            for _ in range(args.repeat):
+                started = time.perf_counter()
+                count, compression = bench_update.one_update(config, batch, model, 64, capacity)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - started)
+            seconds = float(np.median(times))
+            rate[(config, backend, capacity)] = batch.num_tokens / seconds
+            say(f"{workload:<16} {config:<18} {backend:<7} {capacity:>6} {batch.num_tokens:>7} {count:>7} "
+                f"{compression:>6.2f}x {seconds:>8.3f} {batch.num_tokens / seconds:>9.0f} "
+                f"{torch.cuda.max_memory_allocated() / 2**20:>9.0f}")
+        for backend in backends():
+            lines.append(f"{workload:<16} compact/nodewise ({backend}) "
+                         f"{rate[('compact', backend, 16384)] / rate[('nodewise', backend, 16384)]:.2f}x "
+                         "(issue #3 target >= 1.5x)")
+        lines.append(f"{workload:<16} compact/expanded "
+                     f"{rate[('compact', best, 16384)] / rate[('expanded', 'auto', 16384)]:.2f}x; "
+                     f"windows/compact at T=4096 "
+                     f"{rate[('windows', best, 4096)] / rate[('compact', best, 4096)]:.2f}x")
+    os.environ["HARTS_LINEAR_ATTENTION"] = "auto"
+    return lines
+
+
+def nccl(device, args) -> list[str]:
+    """`harts run` under a 1-process torchrun (nccl backend) gives the plain run's loss and logprobs."""
+    import shutil
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from harts.executor.models.init_model import init_model
     from harts.tools import gen
 
-    folder = tempfile.mkdtemp(prefix="harts-device-")
-    init_model("kimi_linear", "tiny", f"{folder}/model", vocab_size=4096)
-    config = gen.GenConfig(kind="treestep", vocab_size=4096, seed=0, tasks=2, group_size=3,
-                           system_prompt_tokens=768, branch_prob=0.6, max_branches=24)
-    gen.write_jsonl(gen.generate(config), f"{folder}/trees.jsonl")
-    batch = read_trees(f"{folder}/trees.jsonl")
-    plan = compile_batch(batch, CompileOptions(capacity=16384, levels="l1")).plan
-    model = load_model(f"{folder}/model").to(device)
-    lines = [f"{'backend':<7} {'mode':<9} {'seconds':>8} {'tokens/s':>10}"]
-    for backend in ("torch", "fla"):
-        os.environ["HARTS_LINEAR_ATTENTION"] = backend
-        for mode in ("compact", "nodewise"):
-            run_step(plan, model, mode=mode)                    # warm-up
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            run_step(plan, model, mode=mode)
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - t0
-            lines.append(f"{backend:<7} {mode:<9} {seconds:>8.3f} {batch.num_tokens / seconds:>10.0f}")
+    folder = Path(tempfile.mkdtemp(prefix="harts-device-nccl-"))
+    init_model("kimi_linear", "tiny", folder / "model", vocab_size=4096)
+    gen.write_jsonl(gen.generate(gen.GenConfig(kind="treestep", vocab_size=4096, seed=1, tasks=1, group_size=2,
+                                               system_prompt_tokens=300)), folder / "trees.jsonl")
+    harts = shutil.which("harts")
+    hartsc = shutil.which("hartsc")
+    done = subprocess.run([hartsc, str(folder / "trees.jsonl"), "-o", str(folder / "step.plan"),
+                           "--capacity", "8192"], capture_output=True, text=True)
+    if done.returncode != 0:
+        return [f"hartsc failed ({done.returncode}): {done.stderr.strip()[-1500:]}"]
+    runs, logprobs, grads = {}, {}, {}
+    for label, prefix in (("plain", []), ("torchrun", [shutil.which("torchrun"), "--nproc-per-node", "1",
+                                                       "--no-python"])):
+        outputs = [f"--logprobs-out={folder / label}.npz", f"--grads-out={folder / label}.safetensors"]
+        done = subprocess.run(prefix + [harts, "run", str(folder / "step.plan"), "--model", str(folder / "model"),
+                                        "--device", device.type, "--json", "--loss", "nll", *outputs],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            return [f"{label} failed ({done.returncode}): {done.stderr.strip()[-1500:]}"]
+        runs[label] = json.loads(done.stdout.strip().splitlines()[-1])
+        with np.load(f"{folder / label}.npz") as saved:
+            logprobs[label] = {key: saved[key] for key in saved.files}
+        grads[label] = load_file(f"{folder / label}.safetensors")
+    lines = [f"{key:<28} plain {runs['plain'][key]!s:<24} torchrun {runs['torchrun'][key]!s:<24}"
+             for key in sorted(set(runs["plain"]) & set(runs["torchrun"]))
+             if isinstance(runs["plain"][key], (int, float)) and "second" not in key]
+    lp = max(float(np.nanmax(np.abs(logprobs["plain"][k] - logprobs["torchrun"][k]))) for k in logprobs["plain"])
+    gr = max(float((grads["plain"][k] - grads["torchrun"][k]).abs().max()) for k in grads["plain"])
+    lines.append(f"max |d logprob| {lp:.2e}, max |d grad| {gr:.2e} (torchrun/{'nccl' if device.type == 'cuda' else 'gloo'}"
+                 " vs plain)")
     return lines
+
+
+def fla_compile(device, args) -> list[str]:
+    """How long fla's first calls take (Triton compiles and autotunes each kernel on first use).
+
+    On the first lent H200 (fla 0.6.0, Triton 3.6, torch 2.11) the first forward had not returned
+    after 220 s: every 30 s this prints every thread's stack, to show where the time goes.
+    """
+    import faulthandler
+
+    import torch
+
+    faulthandler.dump_traceback_later(30, repeat=True)
+
+    from harts.executor.ops.linear_attention import fla_linear_attention
+
+    lines = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for attempt in range(3):
+            inputs, cu, es, ec = make_round([300, 1000, 64], "channel", dtype, device)
+            x = {k: v.detach().requires_grad_() for k, v in inputs.items()}
+            t0 = time.perf_counter()
+            o, ex = fla_linear_attention(x["q"], x["k"], x["v"], x["g"], x["beta"], cu, x["initial_state"].float(),
+                                         es, ec, chunk_size=64, use_qk_l2norm_in_kernel=True)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            (o.float().sum() + ex.sum()).backward()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            say(f"fla channel {str(dtype)[6:]} call {attempt}: forward {t1 - t0:.1f} s, backward {t2 - t1:.1f} s")
+    faulthandler.cancel_dump_traceback_later()
+    return lines
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def environment() -> list[str]:
+    import importlib.metadata as md
+
+    import torch
+
+    versions = []
+    for name in ("torch", "triton", "fla-core", "flash-linear-attention", "transformers", "numpy"):
+        try:
+            versions.append(f"{name} {md.version(name)}")
+        except md.PackageNotFoundError:
+            versions.append(f"{name} missing")
+    return [f"device: {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}", ", ".join(versions)]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=5, help="timed repetitions per round (default 5)")
-    parser.add_argument("--no-model", action="store_true", help="skip the model step")
+    parser.add_argument("--repeat", type=int, default=5, help="timed repetitions (default 5)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"which of {', '.join(SECTIONS)} (default all)")
+    parser.add_argument("--workloads", default="stepwise,treestep,treestep-branchy",
+                        help="update section: bench_update.py workloads (default all three)")
+    parser.add_argument("--preset", default="tiny", help="update section: model preset (default tiny)")
+    parser.add_argument("--budget-s", type=float, default=0.0,
+                        help="start no section after this many seconds (default 0: no limit); a lent GPU's "
+                             "minutes are few, so the sections run in order of importance")
     args = parser.parse_args()
     import torch
 
     from harts.executor.ops.linear_attention.backend import fla_import_error
 
-    if not torch.cuda.is_available() or fla_import_error() is not None:
-        print(f"device check: nothing to check (CUDA available: {torch.cuda.is_available()}, "
-              f"fla: {fla_import_error() or 'importable'})")
+    if not torch.cuda.is_available():
+        say("device check: nothing to check (no CUDA device)")
         return 0
-    device = torch.device("cuda")
-    print(f"device: {torch.cuda.get_device_name(0)}")
-    sections = [("fla vs torch op, relative to the float64 torch op", correctness(device)),
-                ("one round, forward + backward (bfloat16)", timing(device, args.repeat))]
-    if not args.no_model:
+    if fla_import_error() is not None:
+        say(f"fla cannot be imported ({fla_import_error()}): its rows will fail")
+    # HARTS_DEVICE_CHECK_DEVICE=cpu (with CUDA calls stubbed) dry-runs this script itself; it checks nothing.
+    device = torch.device(os.environ.get("HARTS_DEVICE_CHECK_DEVICE", "cuda"))
+    # Float32 means float32: no TF32 in cuBLAS or cuDNN (the reference's short convolution is a cuDNN conv).
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    say("\n".join(environment()))
+    unknown = set(args.sections.split(",")) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}")
+    checks = {"ops": ops, "fidelity": fidelity_check, "syncs": syncs, "op-timing": op_timing, "update": update,
+              "nccl": nccl, "fla-compile": fla_compile}
+    began = time.perf_counter()
+    for name in (s for s in SECTIONS if s in args.sections.split(",")):
+        say(f"\n== {name}")
+        if args.budget_s and time.perf_counter() - began > args.budget_s:
+            say(f"skipped: {time.perf_counter() - began:.0f} s spent of the {args.budget_s:.0f} s budget")
+            continue
+        started = time.perf_counter()
         try:
-            step = model_step(device)
-        except Exception as err:   # the executor's index tensors are built on the CPU; report, do not hide
-            step = [f"model step failed on {device}: {type(err).__name__}: {err}"]
-        sections.append(("tiny Kimi Linear step, tree-step workload", step))
-    for title, lines in sections:
-        print(f"\n{title}")
-        print("\n".join(lines))
+            say("\n".join(checks[name](device, args)))
+        except Exception:   # noqa: BLE001 - report and go on: the other sections still say something
+            say(traceback.format_exc(limit=8))
+        say(f"({name}: {time.perf_counter() - started:.1f} s)")
     return 0
 
 

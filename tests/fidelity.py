@@ -81,7 +81,7 @@ def hf_reference(model, lists):
     logprobs, total, count = [], 0.0, 0
     for tokens in lists:
         lp = trajectory_logprobs(model, tokens)
-        logprobs.append(lp.detach().numpy())
+        logprobs.append(lp.detach().cpu().numpy())
         total = total - lp.sum()
         count += len(tokens) - 1
     (total / count).backward()

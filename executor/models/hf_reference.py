@@ -19,7 +19,7 @@ from harts.executor.ops.linear_attention import chunk_linear_attention
 
 def trajectory_logprobs(model, tokens) -> torch.Tensor:
     """[n - 1] log-probabilities of tokens[1:], from the model's own forward on this trajectory alone."""
-    ids = torch.as_tensor(tokens, dtype=torch.long)[None]
+    ids = torch.as_tensor(tokens, dtype=torch.long, device=next(model.parameters()).device)[None]
     logits = model(input_ids=ids).logits[0].float()
     return torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[0, 1:, None])[:, 0]
 
@@ -30,9 +30,9 @@ def _kda_core(query, key, value, g, beta, initial_state=None, output_final_state
     outputs, finals = [], []
     for b in range(query.shape[0]):
         T = query.shape[1]
-        cu = torch.tensor([0, T])
+        cu = torch.tensor([0, T], device=query.device)
         init = None if initial_state is None else initial_state[b:b + 1]
-        export = torch.tensor([0]), torch.tensor([-(-T // 64)])
+        export = torch.tensor([0], device=query.device), torch.tensor([-(-T // 64)], device=query.device)
         o, final = chunk_linear_attention(query[b], key[b], value[b], g[b], beta[b], cu, init, *export,
                                           chunk_size=64, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         outputs.append(o)
