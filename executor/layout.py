@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from harts.executor.ops.ancestor_attention import AttentionViews
+from harts.executor.ops.transfer import to_device
 from harts.schema.runs import expand_runs
 
 MODES = ("compact", "nodewise", "expanded")
@@ -104,19 +105,47 @@ class ExecLayout:
         return per_row if self.decoder_rows is None else per_row[self.decoder_rows]
 
     def to(self, device: torch.device | str) -> "ExecLayout":
-        """Every index tensor on `device` (the model's); numpy arrays and the views stay on the host
-        (the ops move each block's indices themselves)."""
-        return _to_device(self, torch.device(device))
+        """Every index tensor the ops read on the device on `device` (the model's), in one copy per
+        dtype (`ops.transfer`); what is only read on the host stays there (numpy arrays, the views,
+        and each round's geometry and state bookkeeping: `HOST_FIELDS`), so reading it never waits
+        for the device."""
+        leaves: list[torch.Tensor] = []
+        _collect_device_leaves(self, leaves)
+        return _replace_device_leaves(self, iter(to_device(leaves, torch.device(device))))
 
 
-def _to_device(obj, device: torch.device):
+# Read as host lists by the runner and the linear-attention op (validation, round layout):
+# on the host they cost no device synchronisation.
+HOST_FIELDS = {RoundCall: ("cu_seqlens", "start_state", "export_sequence", "export_chunk", "export_ids",
+                           "start_external")}
+_CONTAINERS = (ExecLayout, LinearCalls, RoundCall, CachedRows)
+
+
+def _device_fields(obj):
+    host = HOST_FIELDS.get(type(obj), ())
+    return [f.name for f in dataclasses.fields(obj) if f.name not in host]
+
+
+def _collect_device_leaves(obj, leaves: list) -> None:
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        leaves.append(obj)
+    elif isinstance(obj, list):
+        for x in obj:
+            _collect_device_leaves(x, leaves)
+    elif isinstance(obj, _CONTAINERS):
+        for name in _device_fields(obj):
+            _collect_device_leaves(getattr(obj, name), leaves)
+
+
+def _replace_device_leaves(obj, moved):
+    """`obj` with its device leaves taken from `moved`, in `_collect_device_leaves` order."""
+    if isinstance(obj, torch.Tensor):
+        return next(moved)
     if isinstance(obj, list):
-        return [_to_device(x, device) for x in obj]
-    if isinstance(obj, (ExecLayout, LinearCalls, RoundCall, CachedRows)):
-        return dataclasses.replace(obj, **{f.name: _to_device(getattr(obj, f.name), device)
-                                           for f in dataclasses.fields(obj)})
+        return [_replace_device_leaves(x, moved) for x in obj]
+    if isinstance(obj, _CONTAINERS):
+        return dataclasses.replace(obj, **{name: _replace_device_leaves(getattr(obj, name), moved)
+                                           for name in _device_fields(obj)})
     return obj
 
 

@@ -31,6 +31,7 @@ from torch.autograd.function import once_differentiable
 from .views import AttentionViews
 
 from harts.executor.ops.dtypes import compute_dtype_for
+from harts.executor.ops.transfer import to_device
 
 # 1024 keeps one float32 score tile of 32 heads at 128 MiB while making the
 # matmuls big enough that Python overhead per tile is negligible.
@@ -110,8 +111,7 @@ def _iter_blocks(views: AttentionViews, block_tokens: int, device: torch.device)
             _positions(lengths, np.zeros_like(lengths)),
             np.repeat(local, lengths),
         )
-        tensors = [torch.from_numpy(a).to(device) for a in arrays]
-        yield _Block(*tensors, single_view=(hi - lo == 1), first_query_pos=int(query_start[0]))
+        yield _Block(*to_device(arrays, device), single_view=(hi - lo == 1), first_query_pos=int(query_start[0]))
 
 
 def _tiles(block: _Block, block_tokens: int):

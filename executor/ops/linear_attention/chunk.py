@@ -84,16 +84,28 @@ grid reproduces the one-call run, exactly. torch's CPU kernels are, given
 contiguous chunk tensors (the tests check it); on GPU, cuBLAS may pick another
 kernel for another batch size, so there it is to be measured, not assumed.
 
-cu_seqlens and the export indices are read on the host (one sync each).
+cu_seqlens and the export indices are read on the host: pass them as CPU
+tensors (the executor does), or each call waits for the device to read them.
+The round's index layout depends on nothing else, so it is built once per
+distinct geometry and device and reused (`round_layout`): every layer of a
+microbatch runs the same rounds.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
+import numpy as np
 import torch
 
+from harts.executor.ops.transfer import to_device
+
 from .inputs import RoundHost, check_round, prepare_inputs
+
+# Layouts kept: a microbatch's rounds, walked once per layer, must all fit (a smaller cache
+# would miss on every call once the rounds outnumber it), and each holds O(N) indices.
+ROUND_LAYOUT_CACHE = 256
 
 
 def chunk_linear_attention(
@@ -138,7 +150,7 @@ def chunk_linear_attention(
         q, k, v, g, beta, initial_state, num_seqs, scale, use_qk_l2norm_in_kernel
     )
     num_heads, key_dim, value_dim = v.shape[1], q.shape[2], v.shape[2]
-    layout = _RoundLayout(host, chunk_size, q.device)
+    layout = round_layout(host, chunk_size, q.device)
     if layout.num_slots == 0:  # every sequence is empty
         return v_NHV.new_zeros(0, num_heads, value_dim).to(q.dtype), state0_SHKV.new_zeros(0, *state0_SHKV.shape[1:])
 
@@ -189,51 +201,59 @@ def chunk_linear_attention(
     return o_NHV.to(q.dtype), exported_EHKV
 
 
+def round_layout(host: RoundHost, chunk_size: int, device: torch.device) -> "_RoundLayout":
+    """The round's chunk layout, built once per (geometry, chunk size, device) and shared."""
+    return _cached_layout(tuple(host.seq_starts), tuple(host.export_seq), tuple(host.export_chunk),
+                          chunk_size, device)
+
+
+@functools.lru_cache(maxsize=ROUND_LAYOUT_CACHE)
+def _cached_layout(seq_starts: tuple, export_seq: tuple, export_chunk: tuple, chunk_size: int,
+                   device: torch.device) -> "_RoundLayout":
+    return _RoundLayout(np.asarray(seq_starts, dtype=np.int64), np.asarray(export_seq, dtype=np.int64),
+                        np.asarray(export_chunk, dtype=np.int64), chunk_size, device)
+
+
 class _RoundLayout:
-    """Where each token sits in the padded, step-major chunk layout (host-built index arrays).
+    """Where each token sits in the padded, step-major chunk layout (built on the host, moved in
+    one copy; read-only once built, since it is shared by every call with the same geometry).
 
     Slot m of the layout holds one chunk; slots of step c (the c-th chunk of
     every sequence that has one) are contiguous, sequences in `order`.
     """
 
-    def __init__(self, host: RoundHost, chunk_size: int, device: torch.device):
-        num_seqs = len(host.seq_starts) - 1
-        num_chunks = torch.tensor(host.num_chunks, dtype=torch.int64)
+    def __init__(self, seq_starts: np.ndarray, export_seq: np.ndarray, export_chunk: np.ndarray,
+                 chunk_size: int, device: torch.device):
+        lengths = np.diff(seq_starts)
+        num_seqs, num_tokens = len(lengths), int(seq_starts[-1])
+        num_chunks = -(-lengths // chunk_size)
         # Stable sort, longest first: the sequences active at step c are a prefix.
-        order = torch.argsort(-num_chunks, stable=True)
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(num_seqs)
+        order = np.argsort(-num_chunks, kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(num_seqs)
         max_chunks = int(num_chunks.max()) if num_seqs else 0
-        step_count = (num_chunks[None, :] > torch.arange(max_chunks)[:, None]).sum(dim=1)
-        step_start = torch.cumsum(step_count, 0) - step_count
+        step_count = (num_chunks[None, :] > np.arange(max_chunks)[:, None]).sum(axis=1)
+        step_start = np.cumsum(step_count) - step_count
         self.num_slots = int(step_count.sum())
         self.chunk_size = chunk_size
         self.step_count = step_count.tolist()
-        self.order = order.to(device)
 
-        starts = torch.tensor(host.seq_starts, dtype=torch.int64)
-        lengths = starts[1:] - starts[:-1]
-        num_tokens = int(starts[-1])
-        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), lengths)
-        local = torch.arange(num_tokens) - starts[seq_of_token]
+        seq_of_token = np.repeat(np.arange(num_seqs), lengths)
+        local = np.arange(num_tokens) - seq_starts[seq_of_token]
         slot = step_start[local // chunk_size] + rank[seq_of_token]
         token_to_flat = slot * chunk_size + local % chunk_size
-        flat_to_token = torch.full((self.num_slots * chunk_size,), num_tokens, dtype=torch.int64)
-        flat_to_token[token_to_flat] = torch.arange(num_tokens)
-        self.token_to_flat = token_to_flat.to(device)
-        self.flat_to_token = flat_to_token.to(device)
+        flat_to_token = np.full(self.num_slots * chunk_size, num_tokens, dtype=np.int64)
+        flat_to_token[token_to_flat] = np.arange(num_tokens)
 
-        # Exports grouped by the step after which they are taken.
-        export_ranks: dict[int, list[int]] = {}
-        taken: dict[int, list[int]] = {}
-        for e, (s, c) in enumerate(zip(host.export_seq, host.export_chunk)):
-            export_ranks.setdefault(c, []).append(int(rank[s]))
-            taken.setdefault(c, []).append(e)
-        position = [e for c in sorted(taken) for e in taken[c]]  # order the pieces come out in
-        inverse = torch.empty(len(position), dtype=torch.int64)
-        inverse[torch.tensor(position, dtype=torch.int64)] = torch.arange(len(position))
-        self.export_ranks = {c: torch.tensor(r, dtype=torch.int64, device=device) for c, r in export_ranks.items()}
-        self.export_inverse = inverse.to(device)
+        # Exports grouped by the step after which they are taken, in the order the pieces come out.
+        by_step = np.argsort(export_chunk, kind="stable")
+        steps, first = np.unique(export_chunk[by_step], return_index=True)
+        inverse = np.empty(len(by_step), dtype=np.int64)
+        inverse[by_step] = np.arange(len(by_step))
+        groups = np.split(rank[export_seq[by_step]], first[1:])
+        moved = to_device([order, token_to_flat, flat_to_token, inverse, *groups], device)
+        self.order, self.token_to_flat, self.flat_to_token, self.export_inverse = moved[:4]
+        self.export_ranks = dict(zip(steps.tolist(), moved[4:]))
 
     def to_chunks(self, x_N_: torch.Tensor) -> torch.Tensor:
         """[N, H, ...] -> [M, H, B, ...], padding rows zero."""

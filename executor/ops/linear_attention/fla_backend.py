@@ -28,7 +28,13 @@ H value heads, HK query/key heads, K key dim, V value dim.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
+import numpy as np
 import torch
+
+from harts.executor.ops.transfer import to_device
 
 FLA_CHUNK_SIZE = 64
 
@@ -40,6 +46,10 @@ def _fla_kernels():
     return chunk_kda, chunk_gated_delta_rule
 
 
+def _host_ints(x) -> np.ndarray:
+    return np.asarray(x.tolist() if isinstance(x, torch.Tensor) else x, dtype=np.int64)
+
+
 def fla_linear_attention(q, k, v, g, beta, cu_seqlens, initial_state, export_seq, export_chunk,
                          chunk_size: int = FLA_CHUNK_SIZE, scale: float | None = None,
                          use_qk_l2norm_in_kernel: bool = False):
@@ -48,33 +58,39 @@ def fla_linear_attention(q, k, v, g, beta, cu_seqlens, initial_state, export_seq
         raise ValueError(f"fla's kernels use chunk size {FLA_CHUNK_SIZE}, the round was planned with {chunk_size}")
     chunk_kda, chunk_gated_delta_rule = _fla_kernels()
     num_tokens, num_heads = v.shape[0], v.shape[1]
-    cu = cu_seqlens.to(device=q.device, dtype=torch.long)
-    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+    # The geometry is index arithmetic on the host (cu_seqlens and exports are host tensors in the
+    # executor); what the kernels read goes over in one copy that does not wait for the device.
+    cu, ex_seq, ex_chunk = (_host_ints(x) for x in (cu_seqlens, export_seq, export_chunk))
+    starts, lengths = cu[:-1], np.diff(cu)
     num_seqs = len(lengths)
-    export_seq = export_seq.to(device=q.device, dtype=torch.long)
-    export_chunk = export_chunk.to(device=q.device, dtype=torch.long)
-    final_chunk = torch.div(lengths + chunk_size - 1, chunk_size, rounding_mode="floor")
-    middle = export_chunk < final_chunk[export_seq]
+    middle = ex_chunk < -(-lengths[ex_seq] // chunk_size)
 
     # Extra sequences: the first c chunks of each sequence with a mid-sequence export.
-    prefix_seq, prefix_len = export_seq[middle], export_chunk[middle] * chunk_size
-    prefix_rows = torch.repeat_interleave(starts[prefix_seq], prefix_len) + (
-        torch.arange(int(prefix_len.sum()), device=q.device)
-        - torch.repeat_interleave(torch.cumsum(prefix_len, 0) - prefix_len, prefix_len))
-    rows = torch.cat([torch.arange(num_tokens, device=q.device), prefix_rows])
-    cu_all = torch.cat([cu, cu[-1] + torch.cumsum(prefix_len, 0)])
+    prefix_seq, prefix_len = ex_seq[middle], ex_chunk[middle] * chunk_size
+    prefix_rows = np.repeat(starts[prefix_seq], prefix_len) + (
+        np.arange(int(prefix_len.sum())) - np.repeat(np.cumsum(prefix_len) - prefix_len, prefix_len))
+    rows = np.concatenate([np.arange(num_tokens), prefix_rows])
+    cu_all = np.concatenate([cu, cu[-1] + np.cumsum(prefix_len)])
+    # Export e: its sequence's final state, or the final state of its extra prefix sequence.
+    source = ex_seq.copy()
+    source[middle] = num_seqs + np.arange(int(middle.sum()))
+    rows_d, cu_d, prefix_seq_d, source_d = to_device([rows, cu_all, prefix_seq, source], q.device)
+
     if initial_state is None:
         initial_state = q.new_zeros(num_seqs, num_heads, q.shape[2], v.shape[2], dtype=torch.float32)
-    state0 = torch.cat([initial_state, initial_state[prefix_seq]]).float()
-
+    state0 = torch.cat([initial_state, initial_state[prefix_seq_d]]).float()
     group = num_heads // q.shape[1]
-    q_all, k_all = (x[rows].repeat_interleave(group, dim=1) if group > 1 else x[rows] for x in (q, k))
-    v_all, g_all, beta_all = v[rows], g[rows], beta[rows]
+    q_all, k_all = (x[rows_d].repeat_interleave(group, dim=1) if group > 1 else x[rows_d] for x in (q, k))
+    v_all, g_all, beta_all = v[rows_d], g[rows_d], beta[rows_d]
     kernel = chunk_kda if g.dim() == 3 else chunk_gated_delta_rule
+    # fla >= 0.6 takes the boundaries on the host too, sparing its own read-back of cu_seqlens.
+    extra = {"cu_seqlens_cpu": torch.from_numpy(cu_all)} if _takes_host_boundaries(kernel) else {}
     o, final = kernel(q_all[None], k_all[None], v_all[None], g_all[None], beta_all[None], scale=scale,
                       initial_state=state0, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                      cu_seqlens=cu_all)
-    # Export e: its sequence's final state, or the final state of its extra prefix sequence.
-    source = export_seq.clone()
-    source[middle] = num_seqs + torch.arange(int(middle.sum()), device=q.device)
-    return o[0, :num_tokens].to(q.dtype), final[source].float()
+                      cu_seqlens=cu_d, **extra)
+    return o[0, :num_tokens].to(q.dtype), final[source_d].float()
+
+
+@functools.cache
+def _takes_host_boundaries(kernel) -> bool:
+    return "cu_seqlens_cpu" in inspect.signature(kernel).parameters

@@ -28,6 +28,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from harts.executor.ops.dtypes import compute_dtype_for
+from harts.executor.ops.transfer import to_device
 
 ACTIVATIONS = (None, "silu", "swish")  # transformers' ACT2FN: "swish" is SiLU too
 
@@ -44,8 +45,10 @@ def conv_context(row_parent: np.ndarray | torch.Tensor, kernel_size: int,
     if parent_R.dim() != 1 or parent_R.is_floating_point() or parent_R.dtype == torch.bool:
         raise ValueError(f"row_parent must be a 1-D integer array, got dtype {parent_R.dtype} and shape "
                          f"{tuple(parent_R.shape)}")
-    parent_R = parent_R.to(device=device, dtype=torch.long)
-    rows_R = torch.arange(parent_R.numel(), device=parent_R.device)
+    # Built on the host and moved once: the walk and its check would each wait for a device.
+    target = torch.device(device) if device is not None else parent_R.device
+    parent_R = parent_R.to(device="cpu", dtype=torch.long)
+    rows_R = torch.arange(parent_R.numel())
     if bool(((parent_R >= rows_R) | (parent_R < -1)).any()):
         bad = int(torch.nonzero((parent_R >= rows_R) | (parent_R < -1))[0])
         raise ValueError(f"row_parent[r] must be -1 or < r, got row_parent[{bad}] = {int(parent_R[bad])}")
@@ -55,7 +58,7 @@ def conv_context(row_parent: np.ndarray | torch.Tensor, kernel_size: int,
         # -1 stays -1: before position 0 there is nothing (the conv's zero padding).
         ancestor_R = torch.where(ancestor_R >= 0, parent_R[ancestor_R.clamp(min=0)], ancestor_R)
         columns.append(ancestor_R)
-    return torch.stack(columns[::-1], dim=1)
+    return to_device([torch.stack(columns[::-1], dim=1)], target)[0]
 
 
 def weight_CW(weight: torch.Tensor) -> torch.Tensor:
@@ -82,7 +85,10 @@ def check_inputs(x, weight, bias, context, activation) -> None:
             or context.shape[1] != taps):
         got = (context.dtype, tuple(context.shape)) if isinstance(context, torch.Tensor) else type(context).__name__
         raise ValueError(f"context must be an integer tensor [Q, W={taps}] from conv_context, got {got}")
-    if context.numel() and (int(context.min()) < -1 or int(context.max()) >= num_rows):
+    # On an accelerator the range is the caller's invariant (conv_context guarantees it): reading
+    # it back would stall the device once per layer. On the host it is checked.
+    if context.device.type == "cpu" and context.numel() and (int(context.min()) < -1
+                                                             or int(context.max()) >= num_rows):
         raise ValueError(f"context entries must be -1 or rows in [0, {num_rows}), got range "
                          f"[{int(context.min())}, {int(context.max())}]")
     if activation not in ACTIVATIONS:
