@@ -123,6 +123,9 @@ class PositionMeta:
     advantages: torch.Tensor
     old_logprobs: torch.Tensor | None   # NaN where a trajectory gave none
     ref_logprobs: torch.Tensor | None
+    # Some trained position has no old log-probability (old_logprobs None, or NaN where weight > 0).
+    # Known on the host where the metadata is built; testing it on the device would wait for it.
+    old_missing: bool
 
 
 def policy_loss(logprobs_P: torch.Tensor, meta: PositionMeta, config: LossConfig) -> torch.Tensor:
@@ -134,7 +137,7 @@ def policy_loss(logprobs_P: torch.Tensor, meta: PositionMeta, config: LossConfig
         per_position = -lam
     else:
         old = meta.old_logprobs
-        if old is None or bool(torch.isnan(old[weight > 0]).any()):
+        if meta.old_missing:
             if config.kind == "ppo":
                 raise UsageError("loss 'ppo' needs old_logprobs for every trained position; "
                                  "fix: give old_logprobs in trees.jsonl, or use --loss grpo (on-policy)")

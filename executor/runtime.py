@@ -20,6 +20,7 @@ from harts.executor.losses import LOGPROB_POSITIONS, LossConfig, PositionMeta, p
 from harts.executor.models.moe import MoEStatistics
 from harts.executor.models.registry import runner_for
 from harts.executor.ops.logprobs import position_logprobs
+from harts.executor.ops.transfer import to_device
 from harts.executor.windows import WindowSchedule
 from harts.schema.errors import HartsError, UsageError
 from harts.schema.plan import Plan
@@ -36,22 +37,24 @@ class StepResult:
     moe_z_loss: float
     seconds: float
     rows: int                          # decoder rows run (over all microbatches and window producers)
-    microbatch_seconds: list = field(default_factory=list)
+    microbatch_seconds: list = field(default_factory=list)   # host time; on a GPU, until its kernels are queued
     producers_run: int = 0             # window producers executed (L1+L2 plans with windows on)
     producer_backward_passes: int = 0  # autograd traversals of producer graphs (one per producer)
     most_live_producers: int = 0       # producer graphs held at once (memory)
 
 
 def _meta(plan: Plan, flat: np.ndarray, weights: np.ndarray, device: torch.device) -> PositionMeta:
+    """The objective's per-position inputs of one microbatch, moved in one copy."""
     step = plan.step
-
-    def take(key):
-        values = step.get(key)
-        return None if values is None else torch.from_numpy(np.asarray(values, dtype=np.float64)[flat]).to(device)
-
-    return PositionMeta(weight=torch.from_numpy(weights[flat]).to(device),
-                        advantages=take("advantages"), old_logprobs=take("old_logprobs"),
-                        ref_logprobs=take("ref_logprobs"))
+    weight = weights[flat]
+    keys = [key for key in ("advantages", "old_logprobs", "ref_logprobs") if step.get(key) is not None]
+    values = {key: np.asarray(step[key], dtype=np.float64)[flat] for key in keys}
+    old = values.get("old_logprobs")
+    old_missing = old is None or bool(np.isnan(old[weight > 0]).any())
+    moved = dict(zip(["weight", *keys], to_device([weight, *values.values()], device)))
+    return PositionMeta(weight=moved["weight"], advantages=moved.get("advantages"),
+                        old_logprobs=moved.get("old_logprobs"), ref_logprobs=moved.get("ref_logprobs"),
+                        old_missing=old_missing)
 
 
 def windows_runnable(plan: Plan) -> bool:
@@ -111,6 +114,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     top_k = runner.top_k
     total_loss, aux_total, z_total, rows = 0.0, 0.0, 0.0, 0
     loads: dict = {}
+    finished = []   # per microbatch: (flat positions, logprobs, [loss, aux, z], expert loads), on the device
     times = []
     if backward:
         model.zero_grad(set_to_none=True)
@@ -147,7 +151,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
             reads, labels = layout.position_row, layout.position_label
             if logprobs == "loss":
                 kept = np.flatnonzero(weights[flat] > 0)
-                flat, index = flat[kept], torch.from_numpy(kept).to(device)
+                flat, (index,) = flat[kept], to_device([kept], device)
                 reads, labels = reads.index_select(0, index), labels.index_select(0, index)
             lam = position_logprobs(hidden, model.lm_head.weight, reads, labels)
             mb_loss = policy_loss(lam, _meta(plan, flat, weights, device), loss)
@@ -155,15 +159,20 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
             objective = mb_loss + loss.moe_aux_coef * aux + loss.moe_z_coef * z
         if backward:
             objective.backward()
-        flat_logprobs[flat] = lam.detach().float().cpu().numpy()
-        total_loss += float(mb_loss.detach())
-        aux_total += float(aux.detach())
-        z_total += float(z.detach())
-        for layer, load in stats.load.items():
-            loads[layer] = loads.get(layer, 0) + load.cpu().numpy()
+        # Read back after the last microbatch: a read here would make the host wait for this
+        # microbatch's kernels before queueing the next one's (on an accelerator).
+        finished.append((flat, lam.detach().float(),
+                         torch.stack([x.detach().to(device, torch.float64) for x in (mb_loss, aux, z)]),
+                         dict(stats.load)))
         rows += layout.num_decoder_rows
         schedule.finished(i)
         times.append(time.perf_counter() - t0)
+    for flat, lam, sums, mb_loads in finished:   # in microbatch order: sums as a sequential loop gives them
+        flat_logprobs[flat] = lam.cpu().numpy()
+        mb_loss, aux, z = sums.cpu().tolist()
+        total_loss, aux_total, z_total = total_loss + mb_loss, aux_total + aux, z_total + z
+        for layer, load in mb_loads.items():
+            loads[layer] = loads.get(layer, 0) + load.cpu().numpy()
     ids = plan.step["ids"]
     logprobs = {str(ids[t]): flat_logprobs[offsets[t]:offsets[t + 1]].copy() for t in range(len(ids))}
     grads = {}

@@ -44,12 +44,14 @@ class _CompactLogprobs(torch.autograd.Function):
         lse_A = torch.empty(A, dtype=compute, device=device)
         # Sort positions by slot once so each block reads a contiguous slice.
         order_P = torch.argsort(slot_P, stable=True)
-        bounds = torch.searchsorted(slot_P[order_P], torch.arange(0, A + block_rows, block_rows, device=device))
+        # Block boundaries read once (one wait for the device per call, not one per block).
+        bounds = torch.searchsorted(slot_P[order_P],
+                                    torch.arange(0, A + block_rows, block_rows, device=device)).tolist()
         target_P = torch.empty(position_row_P.shape[0], dtype=compute, device=device)
         for b, start in enumerate(_block_starts(A, block_rows)):
             logits_RV = hidden_CD[read_A[start:start + block_rows]].to(compute) @ weight_c.T
             lse_A[start:start + block_rows] = torch.logsumexp(logits_RV, dim=-1)
-            picked = order_P[int(bounds[b]):int(bounds[b + 1])]
+            picked = order_P[bounds[b]:bounds[b + 1]]
             target_P[picked] = logits_RV[slot_P[picked] - start, position_label_P[picked]]
         ctx.save_for_backward(hidden_CD, weight_VD, position_label_P, read_A, slot_P, lse_A)
         ctx.block_rows = block_rows
@@ -78,14 +80,14 @@ class _CompactLogprobs(torch.autograd.Function):
         rank_L = rank_of_slot_A[slot_P[live_L]]
         order_L = torch.argsort(rank_L, stable=True)
         live_L, rank_L = live_L[order_L], rank_L[order_L]
-        bounds = torch.searchsorted(rank_L, torch.arange(0, S + block_rows, block_rows, device=device))
+        bounds = torch.searchsorted(rank_L, torch.arange(0, S + block_rows, block_rows, device=device)).tolist()
         for b, start in enumerate(_block_starts(S, block_rows)):
             slots_R = active_S[start:start + block_rows]
             rows_R = read_A[slots_R]
             hidden_RD = hidden_CD[rows_R].to(compute)
             logits_RV = hidden_RD @ weight_c.T
             grad_logits_RV = -torch.exp(logits_RV - lse_A[slots_R, None]) * row_grad_A[slots_R, None]
-            lo, hi = int(bounds[b]), int(bounds[b + 1])
+            lo, hi = bounds[b], bounds[b + 1]
             picked = live_L[lo:hi]
             grad_logits_RV.index_put_((rank_L[lo:hi] - start, position_label_P[picked]), grad_P[picked],
                                       accumulate=True)
