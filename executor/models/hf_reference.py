@@ -30,9 +30,10 @@ def _kda_core(query, key, value, g, beta, initial_state=None, output_final_state
     outputs, finals = [], []
     for b in range(query.shape[0]):
         T = query.shape[1]
-        cu = torch.tensor([0, T], device=query.device)
+        # The round's geometry stays on the host, where the op reads it (see chunk.py).
+        cu = torch.tensor([0, T])
         init = None if initial_state is None else initial_state[b:b + 1]
-        export = torch.tensor([0], device=query.device), torch.tensor([-(-T // 64)], device=query.device)
+        export = torch.tensor([0]), torch.tensor([-(-T // 64)])
         o, final = chunk_linear_attention(query[b], key[b], value[b], g[b], beta[b], cu, init, *export,
                                           chunk_size=64, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         outputs.append(o)
