@@ -34,12 +34,12 @@ error and the rest still run):
 
 On the first lent H200 (torch 2.11, Triton 3.6, fla 0.6.0) fla's first
 forward had not returned after 220 s (cause not established), which starved
-every later section. Until that is understood, run the probe beside the rest
-with fla kept off the others' path (wheels under /tmp/fla, /tmp/site):
+every later section. Until that is understood, run the probe beside the rest,
+which `--no-fla` keeps off fla (both transformers and our backend then run
+their torch paths):
 
-    (PYTHONPATH=/tmp/fla:$PYTHONPATH python3 benchmarks/device_check.py \
-        --sections fla-compile > $OUT/fla.log 2>&1 &)
-    python3 benchmarks/device_check.py --sections fidelity,syncs,update,nccl --budget-s 300
+    (python3 benchmarks/device_check.py --sections fla-compile > $OUT/fla.log 2>&1 &)
+    python3 benchmarks/device_check.py --no-fla --sections fidelity,syncs,update,nccl --budget-s 300
 
 Without CUDA it says so and exits 0: nothing here is a test, and no test
 depends on it.
@@ -391,6 +391,15 @@ def environment() -> list[str]:
     return [f"device: {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}", ", ".join(versions)]
 
 
+def block_fla() -> None:
+    """`import fla` fails here and in every process this one starts, as if fla were not installed."""
+    sys.modules["fla"] = None
+    stub = Path(tempfile.mkdtemp(prefix="harts-no-fla-")) / "fla"
+    stub.mkdir()
+    (stub / "__init__.py").write_text('raise ModuleNotFoundError("fla blocked by device_check --no-fla")\n')
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(stub.parent), os.environ.get("PYTHONPATH")]))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="timed repetitions (default 5)")
@@ -401,7 +410,12 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=0.0,
                         help="start no section after this many seconds (default 0: no limit); a lent GPU's "
                              "minutes are few, so the sections run in order of importance")
+    parser.add_argument("--no-fla", action="store_true",
+                        help="make fla unimportable in this process: transformers and our backend run their torch "
+                             "paths (for when fla's first calls are too slow for the time at hand)")
     args = parser.parse_args()
+    if args.no_fla:
+        block_fla()
     import torch
 
     from harts.executor.ops.linear_attention.backend import fla_import_error
