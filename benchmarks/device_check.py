@@ -33,8 +33,10 @@ error and the rest still run):
   printed every 30 s while they run.
 
 On the first lent H200 (torch 2.11, Triton 3.6, fla 0.6.0) fla's first
-forward had not returned after 220 s (cause not established), which starved
-every later section. Until that is understood, run the probe beside the rest,
+forward had not returned after 220 s, which starved every later section.
+The cause is not established; a likely one is that its forward kernels carry
+some 40 Triton autotuning configurations, compiled one after another on
+first use (the stacks the probe prints will tell). Until that is understood, run the probe beside the rest,
 which `--no-fla` keeps off fla (both transformers and our backend then run
 their torch paths):
 
