@@ -131,10 +131,12 @@ def evaluate_positions(model: PrefixCostModel, options: L2Options, positions: np
     before_ok = (before >= 0) & (cell_sorted[np.maximum(before, 0)] == cell_sorted)
     after = run_end + 1
     after_ok = (after < m) & (cell_sorted[np.minimum(after, m - 1)] == cell_sorted)
-    below = model.neighbour_lcp(np.where(before_ok, global_sorted[np.maximum(before, 0)], -1), global_sorted)
-    above = model.neighbour_lcp(global_sorted, np.where(after_ok, global_sorted[np.minimum(after, m - 1)], n))
+    # LCP with the nearest other-consumer member below and above, in one range-minimum query.
+    below_above = model.neighbour_lcp(
+        np.concatenate([np.where(before_ok, global_sorted[np.maximum(before, 0)], -1), global_sorted]),
+        np.concatenate([global_sorted, np.where(after_ok, global_sorted[np.minimum(after, m - 1)], n)]))
     other = np.zeros(m, dtype=np.int64)
-    other[by_cell] = np.maximum(below, above)
+    other[by_cell] = np.maximum(below_above[:m], below_above[m:])
     cached = np.minimum(np.minimum(other, lengths), cap_of_cell[cell])
 
     # Consumer residual run of each position: [start, lengths).

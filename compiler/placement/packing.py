@@ -91,10 +91,12 @@ class _Consumers:
             at = bisect.bisect_left(members, first)
             below[k] = members[at - 1] if at > 0 else -1
             above[k] = members[at] if at < len(members) else n
-        left = model.neighbour_lcp(below, np.full_like(below, first))
-        right = model.neighbour_lcp(np.full_like(above, last), above)
-        joined = model.neighbour_lcp(below, above)
-        return run_cost - left - right + joined
+        # One range-minimum query for the three LCPs of every consumer (left, right, joined):
+        # this runs once per unit and consumer, and numpy's per-call cost dominates small arrays.
+        count = len(below)
+        lcp = model.neighbour_lcp(np.concatenate([below, np.full(count, last), below]),
+                                  np.concatenate([np.full(count, first), above, above]))
+        return run_cost - lcp[:count] - lcp[count:2 * count] + lcp[2 * count:]
 
     def add(self, k: int, positions: np.ndarray, growth: int, own: int) -> None:
         members = self.members[k]
