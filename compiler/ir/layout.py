@@ -164,16 +164,15 @@ def segments_of(row_parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     row_parent = np.asarray(row_parent, dtype=np.int64)
     num_rows = len(row_parent)
-    rows = np.arange(num_rows, dtype=np.int64)
     has_parent = row_parent >= 0
     child_count = np.bincount(row_parent[has_parent], minlength=num_rows)
-    parent_forks = np.zeros(num_rows, dtype=bool)
-    parent_forks[has_parent] = child_count[row_parent[has_parent]] >= 2
-    segment_first = ~has_parent | parent_forks | (row_parent != rows - 1)
-    segment_row_start = np.append(np.flatnonzero(segment_first), num_rows).astype(np.int64)
-    segment_of_row = np.cumsum(segment_first) - 1
-    first_parent = row_parent[segment_row_start[:-1]]
-    segment_parent = np.where(first_parent >= 0, segment_of_row[np.maximum(first_parent, 0)], -1)
+    segment_first = ~has_parent | (row_parent != np.arange(-1, num_rows - 1))
+    segment_first[has_parent] |= child_count[row_parent[has_parent]] >= 2   # below a fork
+    starts = np.flatnonzero(segment_first)
+    segment_row_start = np.append(starts, num_rows).astype(np.int64)
+    # A parent row's segment is the last segment starting at or before it (no per-row cumsum).
+    first_parent = row_parent[starts]
+    segment_parent = np.where(first_parent >= 0, np.searchsorted(starts, first_parent, side="right") - 1, -1)
     return segment_row_start, segment_parent
 
 
