@@ -14,6 +14,7 @@ import torch
 
 from harts.executor.layout import MODES
 from harts.executor.losses import LOGPROB_POSITIONS, LOSSES, REDUCTIONS, LossConfig
+from harts.executor.ops.linear_attention.backend import select_backend
 from harts.progress import quiet_library_progress, terminal_progress
 from harts.schema.atomic import atomic_write_files, check_output_path
 from harts.schema.errors import HartsError, OutputError
@@ -191,13 +192,18 @@ def main(argv: list[str] | None = None) -> int:
         # bad output path must not cost a whole step, nor leave one file of two.
         check_outputs(args.plan, args.model, [p for p in (args.logprobs_out, args.grads_out) if p])
         plan = read_plan(args.plan)
+        device = model_device(args.device)
+        backend = select_backend(device, int(plan.flags["chunk_size"]))   # HARTS_LINEAR_ATTENTION checked here
         model = load_model(args.model, args.dtype)
         selected = None
-        device = model_device(args.device)
         if distributed.launched_by_torchrun():
             group = distributed.init_data_parallel(int(plan.flags["dp"]), device)
             selected, primary = distributed.microbatches_of_replica(plan, group.rank), group.is_primary
         model = model.to(device)
+        if primary and backend == "fla":
+            print("harts run: linear attention runs fla's Triton kernels, which compile and autotune on first use "
+                  "(minutes on a fresh machine; HARTS_LINEAR_ATTENTION=torch runs our torch op instead)",
+                  file=sys.stderr)
         result = run_step(plan, model, mode=mode, loss=loss, backward=not args.forward_only,
                           recompute=args.recompute, microbatches=selected, windows=not args.no_windows,
                           progress=terminal_progress if primary else None, logprobs=args.logprobs)

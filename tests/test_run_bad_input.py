@@ -113,6 +113,17 @@ def test_a_model_file_as_output_is_refused(workspace, capsys, no_model_load):
     assert target.read_bytes() == before
 
 
+@pytest.mark.parametrize("backend, message", [
+    ("triton", "HARTS_LINEAR_ATTENTION must be one of auto, torch, fla"),
+    ("fla", "the fla backend needs CUDA tensors, chunk size 64"),   # the workspace plan has B = 2, on the CPU
+])
+def test_a_linear_attention_backend_that_cannot_run_is_refused_before_the_model_loads(
+        workspace, capsys, no_model_load, monkeypatch, backend, message):
+    monkeypatch.setenv("HARTS_LINEAR_ATTENTION", backend)
+    assert harts(run_argv(workspace, "--device", "cpu")) == 2
+    assert message in one_line(capsys)
+
+
 def test_logprobs_and_grads_appear_together_or_not_at_all(workspace, tmp_path, capsys, monkeypatch):
     """The grads target turns into a folder while the step runs: no logprobs file may be left."""
     lp, grads = tmp_path / "lp.npz", tmp_path / "g.safetensors"

@@ -15,6 +15,8 @@ import warnings
 
 import torch
 
+from harts.schema.errors import UsageError
+
 from .chunk import chunk_linear_attention
 from .fla_backend import FLA_CHUNK_SIZE, fla_linear_attention
 
@@ -40,15 +42,18 @@ def _warn_broken_fla(reason: str) -> None:
 
 
 def select_backend(device: torch.device, chunk_size: int, requested: str | None = None) -> str:
+    """"fla" or "torch" for rounds on `device` planned with `chunk_size`; a UsageError (one line
+    with its fix) when HARTS_LINEAR_ATTENTION (or `requested`) asks for what cannot run here."""
     requested = requested or os.environ.get("HARTS_LINEAR_ATTENTION", "auto")
     if requested not in BACKENDS:
-        raise ValueError(f"HARTS_LINEAR_ATTENTION must be one of {', '.join(BACKENDS)}, got {requested!r}")
+        raise UsageError(f"HARTS_LINEAR_ATTENTION must be one of {', '.join(BACKENDS)}, got {requested!r}; "
+                         "fix: unset it (auto) or set one of those")
     if requested == "torch":
         return "torch"
     reason = fla_import_error() if device.type == "cuda" else None
     fits = device.type == "cuda" and chunk_size == FLA_CHUNK_SIZE and reason is None
     if requested == "fla" and not fits:
-        raise ValueError(f"the fla backend needs CUDA tensors, chunk size {FLA_CHUNK_SIZE} and an importable "
+        raise UsageError(f"the fla backend needs CUDA tensors, chunk size {FLA_CHUNK_SIZE} and an importable "
                          f"flash-linear-attention (got device {device}, chunk size {chunk_size}"
                          + (f", import failed: {reason}" if reason else "") + "); fix: install the "
                          "'cuda' extra on a GPU machine, or set HARTS_LINEAR_ATTENTION=torch")
