@@ -2,7 +2,7 @@
 
 Usage:
     python benchmarks/bench_update.py [--workloads stepwise,treestep,treestep-branchy] [--preset tiny]
-                                      [--capacity 16384] [--device cpu|cuda]
+                                      [--capacity 16384] [--device cpu|cuda] [--dtype float32|bfloat16]
 
 For each generated workload (step-wise and tree-step, SWE-shaped but scaled
 down so a CPU finishes) and a tiny Kimi Linear model, every configuration runs
@@ -78,7 +78,7 @@ def generate(workload: str, vocab: int, out: Path) -> None:
 
 
 def child(config: str, trees: str, model_dir: str, chunk_size: int, capacity: int, repeat: int,
-          max_window_slots: int, logprobs: str, device: str) -> None:
+          max_window_slots: int, logprobs: str, device: str, dtype: str) -> None:
     """Run one configuration `repeat` times and print a JSON line (median seconds, rows, peak memory)."""
     import torch
 
@@ -87,7 +87,7 @@ def child(config: str, trees: str, model_dir: str, chunk_size: int, capacity: in
 
     torch.manual_seed(0)
     on_gpu = device == "cuda"
-    model = load_model(model_dir).to(device)
+    model = load_model(model_dir, dtype).to(device)
     batch = read_trees(trees)
     times = []
     for _ in range(repeat):
@@ -168,7 +168,11 @@ def main() -> None:
                         help="positions our configurations recover (harts run --logprobs; default all)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the model runs (default cpu)")
-    parser.add_argument("--child", nargs=9, metavar=("CONFIG", "TREES", "MODEL", "B", "T", "R", "W", "LP", "DEV"),
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="model weights and activations (harts run --dtype; default float32; bfloat16 is "
+                             "what a GPU trains in)")
+    parser.add_argument("--child", nargs=10,
+                        metavar=("CONFIG", "TREES", "MODEL", "B", "T", "R", "W", "LP", "DEV", "DTYPE"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -186,7 +190,8 @@ def main() -> None:
     vocab = 4096
     model_dir = folder / "model"
     init_model("kimi_linear", args.preset, model_dir, vocab_size=vocab)
-    print(f"model: kimi_linear {args.preset}, vocab {vocab}, on {args.device}; workloads in {folder}", file=sys.stderr)
+    print(f"model: kimi_linear {args.preset} in {args.dtype}, vocab {vocab}, on {args.device}; workloads in {folder}",
+          file=sys.stderr)
     table = []
     for kind in args.workloads.split(","):
         trees = folder / f"{kind}.jsonl"
@@ -198,7 +203,7 @@ def main() -> None:
             for config in args.configs.split(","):
                 out = subprocess.run([sys.executable, __file__, "--child", config, str(trees), str(model_dir),
                                       str(args.chunk_size), str(args.capacity), str(args.repeat),
-                                      str(args.max_window_slots), args.logprobs, args.device],
+                                      str(args.max_window_slots), args.logprobs, args.device, args.dtype],
                                      capture_output=True, text=True)
                 if out.returncode != 0:
                     raise SystemExit(f"{config} on {kind} failed:\n{out.stderr[-3000:]}")

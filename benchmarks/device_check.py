@@ -258,12 +258,12 @@ def update(device, args) -> list[str]:
 
     folder = Path(tempfile.mkdtemp(prefix="harts-device-update-"))
     init_model("kimi_linear", args.preset, folder / "model", vocab_size=4096)
-    model = load_model(str(folder / "model")).to(device)
+    model = load_model(str(folder / "model"), args.dtype).to(device)
     best = backends()[0]
     rows = [("hf-per-trajectory", "auto", 16384), ("expanded", "auto", 16384)]
     rows += [(config, backend, 16384) for backend in backends() for config in ("compact", "nodewise")]
     rows += [("compact", best, 4096), ("windows", best, 4096)]
-    say(f"kimi_linear {args.preset} in float32; seconds = median of {args.repeat} after a warm-up, planning "
+    say(f"kimi_linear {args.preset} in {args.dtype}; seconds = median of {args.repeat} after a warm-up, planning "
         "included; hf-per-trajectory runs " + ("fla's kernels" if best == "fla" else "our KDA chunk core"))
     say(f"{'workload':<16} {'configuration':<18} {'backend':<7} {'T':>6} {'tokens':>7} {'rows':>7} "
         f"{'compr.':>7} {'seconds':>8} {'tokens/s':>9} {'peak MiB':>9}")
@@ -409,6 +409,9 @@ def main() -> int:
     parser.add_argument("--workloads", default="stepwise,treestep,treestep-branchy",
                         help="update section: bench_update.py workloads (default all three)")
     parser.add_argument("--preset", default="tiny", help="update section: model preset (default tiny)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                        help="update section: model dtype (default bfloat16, what a GPU trains in; "
+                             "the fidelity section is always float32)")
     parser.add_argument("--budget-s", type=float, default=0.0,
                         help="start no section after this many seconds (default 0: no limit); a lent GPU's "
                              "minutes are few, so the sections run in order of importance")
