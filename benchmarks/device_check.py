@@ -43,6 +43,17 @@ their torch paths):
     (python3 benchmarks/device_check.py --sections fla-compile > $OUT/fla.log 2>&1 &)
     python3 benchmarks/device_check.py --no-fla --sections fidelity,syncs,update,nccl --budget-s 300
 
+How it was installed there (an image with torch, Triton, msgpack, networkx and
+hypothesis, no registry; the rest carried as wheels in an ignored `.whl/`:
+fla-core, flash-linear-attention, transformers, regex, zstandard, orjson):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/hp .
+    export PYTHONPATH=/tmp/hp:/tmp/site PATH=/tmp/hp/bin:/tmp/site/bin:$PATH
+
+(run the script as `python3 benchmarks/device_check.py`: from the repository
+root, `python3 -c` would import the checkout's bare `harts/` folder first).
+
 Without CUDA it says so and exits 0: nothing here is a test, and no test
 depends on it.
 """
