@@ -161,15 +161,13 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
             objective.backward()
         # Read back after the last microbatch: a read here would make the host wait for this
         # microbatch's kernels before queueing the next one's (on an accelerator).
-        finished.append((flat, lam.detach().float(),
-                         torch.stack([x.detach().to(device, torch.float64) for x in (mb_loss, aux, z)]),
-                         dict(stats.load)))
+        finished.append((flat, lam.detach().float(), (mb_loss.detach(), aux.detach(), z.detach()), dict(stats.load)))
         rows += layout.num_decoder_rows
         schedule.finished(i)
         times.append(time.perf_counter() - t0)
     for flat, lam, sums, mb_loads in finished:   # in microbatch order: sums as a sequential loop gives them
         flat_logprobs[flat] = lam.cpu().numpy()
-        mb_loss, aux, z = sums.cpu().tolist()
+        mb_loss, aux, z = (float(x) for x in sums)   # the device is idle by now: these reads cost no stall
         total_loss, aux_total, z_total = total_loss + mb_loss, aux_total + aux, z_total + z
         for layer, load in mb_loads.items():
             loads[layer] = loads.get(layer, 0) + load.cpu().numpy()
