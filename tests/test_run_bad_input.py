@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from harts.cli import main as harts
-from harts.compiler.cli import main as hartsc
+
+from run_workspace import make_run_workspace
 from harts.executor import cli as run_cli
 from harts.executor import runtime
 from harts.executor.losses import LossConfig
@@ -36,12 +37,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     """A tiny model and a plan without ref_logprobs, shared by the module's tests."""
-    folder = tmp_path_factory.mktemp("bad-run")
-    (folder / "trees.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TREES))
-    assert harts(["init-model", "--preset", "tiny", "--vocab-size", "64", "-o", str(folder / "model")]) == 0
-    assert hartsc([str(folder / "trees.jsonl"), "-o", str(folder / "step.plan"), "--chunk-size", "2",
-                   "--vocab-size", "64"]) == 0
-    return folder
+    return make_run_workspace(tmp_path_factory.mktemp("bad-run"), TREES)
 
 
 def one_line(capsys) -> str:

@@ -4,14 +4,13 @@ Run: `python -m pytest tests/test_run_cli.py -q`.
 """
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from harts.cli import main as harts
-from harts.compiler.cli import main as hartsc
+
+from run_workspace import make_run_workspace
 
 TREES = [
     {"id": "a", "tokens": [5, 6, 7, 8, 9, 10, 11, 12], "advantages": 0.5, "old_logprobs": [-1.0] * 8},
@@ -23,12 +22,7 @@ TREES = [
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("run")
-    (folder / "trees.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TREES))
-    assert harts(["init-model", "--preset", "tiny", "--vocab-size", "64", "-o", str(folder / "model")]) == 0
-    assert hartsc([str(folder / "trees.jsonl"), "-o", str(folder / "step.plan"), "--chunk-size", "2",
-                   "--vocab-size", "64"]) == 0
-    return folder
+    return make_run_workspace(tmp_path_factory.mktemp("run"), TREES)
 
 
 @pytest.mark.parametrize("loss", ["nll", "grpo", "ppo"])
