@@ -86,20 +86,31 @@ def child(config: str, trees: str, model_dir: str, chunk_size: int, capacity: in
     from harts.executor.cli import load_model
 
     torch.manual_seed(0)
-    on_gpu = device == "cuda"
     model = load_model(model_dir, dtype).to(device)
     batch = read_trees(trees)
+    seconds, rows, compression = median_update(config, batch, model, chunk_size, capacity, repeat,
+                                               max_window_slots, logprobs)
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if device == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    print(json.dumps({"seconds": seconds, "rows": rows, "compression": compression,
+                      "peak_mib": peak, "tokens": int(batch.num_tokens)}))
+
+
+def median_update(config: str, batch, model, chunk_size: int, capacity: int, repeat: int,
+                  max_window_slots: int = 0, logprobs: str = "all") -> tuple[float, int, float]:
+    """(median wall seconds of `repeat` updates, decoder rows, compression); on a GPU each clock read
+    waits for the GPU, since kernels run asynchronously and the step ends when they are done."""
+    import torch
+
+    on_gpu = next(model.parameters()).device.type == "cuda"
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
         rows, compression = one_update(config, batch, model, chunk_size, capacity, max_window_slots, logprobs)
         if on_gpu:
-            torch.cuda.synchronize()   # kernels run asynchronously: the step ends when the GPU is done
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if on_gpu
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    print(json.dumps({"seconds": float(np.median(times)), "rows": rows, "compression": compression,
-                      "peak_mib": peak, "tokens": int(batch.num_tokens)}))
+    return float(np.median(times)), rows, compression
 
 
 def one_update(config: str, batch, model, chunk_size: int, capacity: int,

@@ -257,7 +257,6 @@ def syncs(device, args) -> list[str]:
 
 
 def update(device, args) -> list[str]:
-    import numpy as np
     import torch
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -286,16 +285,9 @@ def update(device, args) -> list[str]:
         rate = {}
         for config, backend, capacity in rows:
             os.environ["HARTS_LINEAR_ATTENTION"] = backend
-            bench_update.one_update(config, batch, model, 64, capacity)        # warm-up
-            torch.cuda.synchronize()
+            bench_update.median_update(config, batch, model, 64, capacity, 1)   # warm-up
             torch.cuda.reset_peak_memory_stats()
-            times = []
-            for _ in range(args.repeat):
-                started = time.perf_counter()
-                count, compression = bench_update.one_update(config, batch, model, 64, capacity)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - started)
-            seconds = float(np.median(times))
+            seconds, count, compression = bench_update.median_update(config, batch, model, 64, capacity, args.repeat)
             rate[(config, backend, capacity)] = batch.num_tokens / seconds
             say(f"{workload:<16} {config:<18} {backend:<7} {capacity:>6} {batch.num_tokens:>7} {count:>7} "
                 f"{compression:>6.2f}x {seconds:>8.3f} {batch.num_tokens / seconds:>9.0f} "
