@@ -15,6 +15,8 @@ replay is for (paper, Sections 2.2 and 3.3).
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -459,3 +461,45 @@ def test_backend_selection_falls_back_to_torch_and_refuses_fla_without_cuda(monk
         select_backend(cpu, 64, "fla")
     with pytest.raises(ValueError, match="must be one of auto, torch, fla"):
         select_backend(cpu, 64, "triton")
+
+
+@pytest.mark.parametrize("hopper, triton_3_4, triton_3_7_1, refused", [
+    (True, True, False, True),      # the lent H200 with Triton 3.6: fla raises in the backward
+    (True, True, True, False),      # Triton >= 3.7.1 fixes it
+    (False, True, False, False),    # not Hopper
+    (True, False, False, False),    # Triton < 3.4 predates the defect
+])
+def test_fla_scalar_gate_defect_follows_flas_own_flags(monkeypatch, hopper, triton_3_4, triton_3_7_1, refused):
+    import types
+
+    from harts.executor.ops.linear_attention import backend
+
+    flags = types.ModuleType("fla.utils")
+    flags.IS_NVIDIA_HOPPER, flags.TRITON_ABOVE_3_4_0, flags.TRITON_ABOVE_3_7_1 = hopper, triton_3_4, triton_3_7_1
+    monkeypatch.setitem(sys.modules, "fla", types.ModuleType("fla"))
+    monkeypatch.setitem(sys.modules, "fla.utils", flags)
+    backend.fla_scalar_gate_defect.cache_clear()
+    try:
+        reason = backend.fla_scalar_gate_defect()
+    finally:
+        backend.fla_scalar_gate_defect.cache_clear()
+    assert (reason is not None) == refused
+    if refused:
+        assert "#640" in reason and "Gated DeltaNet" in reason
+
+
+def test_backend_selection_keeps_scalar_gates_off_a_defective_fla(monkeypatch):
+    from harts.executor.ops.linear_attention import backend
+
+    cuda = torch.device("cuda")   # a device object only: select_backend reads its type
+    monkeypatch.setattr(backend, "fla_import_error", lambda: None)
+    monkeypatch.setattr(backend, "fla_scalar_gate_defect", lambda: "fla refuses scalar-gate backward here (fla #640)")
+    backend._warn_fla_scalar_gate.cache_clear()
+    assert backend.select_backend(cuda, 64, scalar_gate=False) == "fla"     # KDA's per-channel path is unaffected
+    with pytest.warns(UserWarning, match="scalar-gate layers run on the torch op"):
+        assert backend.select_backend(cuda, 64, scalar_gate=True) == "torch"
+    with pytest.raises(ValueError, match=r"fla #640\); fix: upgrade Triton to >= 3.7.1"):
+        backend.select_backend(cuda, 64, "fla", scalar_gate=True)
+    monkeypatch.setattr(backend, "fla_scalar_gate_defect", lambda: None)
+    assert backend.select_backend(cuda, 64, scalar_gate=True) == "fla"
+    backend._warn_fla_scalar_gate.cache_clear()

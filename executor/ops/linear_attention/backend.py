@@ -1,7 +1,8 @@
 """Which implementation runs a linear-attention round: our torch op, or fla's kernels on CUDA.
 
 `HARTS_LINEAR_ATTENTION` = `auto` (default: fla when the tensors are on CUDA,
-fla imports and the round uses fla's chunk size 64; the torch op otherwise),
+fla imports, the round uses fla's chunk size 64 and fla has no known defect for
+the round's gate on this GPU; the torch op otherwise),
 `torch`, or `fla` (an error if it cannot run). Both give the same function
 (`chunk.py`'s contract); the torch op is the complete CPU path and the one
 every test runs.
@@ -36,14 +37,40 @@ def fla_import_error() -> str | None:
 
 
 @functools.cache
+def fla_scalar_gate_defect() -> str | None:
+    """Why fla's scalar-gate (Gated DeltaNet) kernels must not run here (None: nothing known).
+
+    fla 0.6.0 raises in the backward of its gated chunk_bwd_dqkwg on Hopper GPUs with
+    3.4.0 <= Triton < 3.7.1, which compute it wrongly there (fla issue #640); its per-channel
+    (KDA) path does not call that kernel. Seen on the lent H200 (Triton 3.6). fla's own flags
+    decide, so a fla that fixes it or drops the guard is trusted.
+    """
+    try:
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except ImportError:   # a fla without these flags has no such guard either
+        return None
+    if IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1:
+        return "fla refuses scalar-gate (Gated DeltaNet) backward on Hopper GPUs with Triton 3.4.0-3.7.0 (fla #640)"
+    return None
+
+
+@functools.cache
+def _warn_fla_scalar_gate(reason: str) -> None:
+    warnings.warn(f"{reason}; scalar-gate layers run on the torch op (upgrade Triton to >= 3.7.1 for fla). "
+                  "Set HARTS_LINEAR_ATTENTION=torch to silence this.", stacklevel=3)
+
+
+@functools.cache
 def _warn_broken_fla(reason: str) -> None:
     warnings.warn(f"flash-linear-attention is installed but cannot be imported ({reason}); linear attention "
                   "runs on the slower torch op. Set HARTS_LINEAR_ATTENTION=torch to silence this.", stacklevel=3)
 
 
-def select_backend(device: torch.device, chunk_size: int, requested: str | None = None) -> str:
-    """"fla" or "torch" for rounds on `device` planned with `chunk_size`; a UsageError (one line
-    with its fix) when HARTS_LINEAR_ATTENTION (or `requested`) asks for what cannot run here."""
+def select_backend(device: torch.device, chunk_size: int, requested: str | None = None,
+                   scalar_gate: bool = False) -> str:
+    """"fla" or "torch" for rounds on `device` planned with `chunk_size` (with a scalar gate per head
+    when `scalar_gate`); a UsageError (one line with its fix) when HARTS_LINEAR_ATTENTION (or
+    `requested`) asks for what cannot run here."""
     requested = requested or os.environ.get("HARTS_LINEAR_ATTENTION", "auto")
     if requested not in BACKENDS:
         raise UsageError(f"HARTS_LINEAR_ATTENTION must be one of {', '.join(BACKENDS)}, got {requested!r}; "
@@ -59,12 +86,21 @@ def select_backend(device: torch.device, chunk_size: int, requested: str | None 
                          "'cuda' extra on a GPU machine, or set HARTS_LINEAR_ATTENTION=torch")
     if reason is not None and not reason.startswith("ModuleNotFoundError"):
         _warn_broken_fla(reason)   # a broken install must not pass silently for the torch op
+    defect = fla_scalar_gate_defect() if fits and scalar_gate else None
+    if defect is not None:
+        if requested == "fla":
+            raise UsageError(f"{defect}; fix: upgrade Triton to >= 3.7.1, or set HARTS_LINEAR_ATTENTION=auto "
+                             "(scalar-gate layers then run the torch op) or torch")
+        _warn_fla_scalar_gate(defect)
+        return "torch"
     return "fla" if fits else "torch"
 
 
 def linear_attention_round(q, k, v, g, beta, cu_seqlens, initial_state, export_seq, export_chunk, *,
                            chunk_size: int, use_qk_l2norm_in_kernel: bool, backend: str | None = None):
     """One packed round (see `chunk_linear_attention`) on the selected backend."""
-    run = fla_linear_attention if select_backend(q.device, chunk_size, backend) == "fla" else chunk_linear_attention
+    scalar_gate = g.dim() == 2   # [N, H]: one decay per head (Gated DeltaNet); [N, H, K]: per channel (KDA)
+    run = fla_linear_attention if select_backend(q.device, chunk_size, backend, scalar_gate) == "fla" \
+        else chunk_linear_attention
     return run(q, k, v, g, beta, cu_seqlens, initial_state, export_seq, export_chunk, chunk_size=chunk_size,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
