@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One lent-GPU session's device check, split over processes so that fla's first compiles
+# (CPU-bound, one configuration after another) do not starve the rest. Writes its logs to $OUT.
+#
+#   bash benchmarks/device_run.sh [seconds]      # default 420: every process is stopped by then
+#
+# Needs the image the device tool lends (torch, Triton, msgpack, networkx, hypothesis) and the
+# wheels in the ignored .whl/ (fla-core, flash-linear-attention, transformers, regex, zstandard,
+# orjson); carry .whl with the working tree. The processes share one GPU, so their timings
+# disturb each other: read them as rough.
+set -uo pipefail
+limit=${1:-420}
+out=${OUT:-/tmp/harts-device-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$out/pip.log" 2>&1 || { tail -20 "$out/pip.log"; exit 3; }
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/hp . \
+    >> "$out/pip.log" 2>&1 || { tail -20 "$out/pip.log"; exit 4; }
+export PYTHONPATH=/tmp/hp:/tmp/site PATH=/tmp/hp/bin:/tmp/site/bin:$PATH
+python3 -c "import harts.executor.runtime, fla.ops.kda, transformers; print('imports ok')" 2>&1 | tail -3
+
+check() {  # log-name, then device_check arguments
+    local name=$1
+    shift
+    timeout "$limit" python3 benchmarks/device_check.py "$@" > "$out/$name.log" 2>&1
+    echo "$name exited $?" >> "$out/$name.log"
+}
+# fla with every autotuning configuration, as a user first meets it: how long, and where.
+TRITON_PRINT_AUTOTUNING=1 check fla-full --sections fla-compile --gates channel &
+# fla against our ops, one gate per process, one configuration per kernel.
+check fla-channel --fla-autotune-configs 1 --gates channel --sections ops,op-timing,update \
+    --workloads treestep --repeat 3 &
+check fla-scalar --fla-autotune-configs 1 --gates scalar --sections ops,op-timing,fidelity --repeat 3 &
+# Everything that needs no fla.
+check main --no-fla --sections syncs,nccl,update --repeat 3 --budget-s $((limit - 120))
+wait
+tail -n 80 "$out"/main.log "$out"/fla-channel.log "$out"/fla-scalar.log
+tail -n 30 "$out"/fla-full.log
