@@ -17,8 +17,9 @@ error and the rest still run):
   chunk boundaries, duplicates, strict prefixes) on tiny Kimi Linear and
   Qwen3-Next in float32 on the GPU. Reference: the Hugging Face model's own
   forward and backward per trajectory on the GPU (which calls fla's kernels
-  itself when fla imports). Ours: compact with the fla backend, compact with
-  the torch op, and an L1+L2 plan with a sharing window. Max |d logprob| and
+  itself when fla imports). Ours: compact with fla where it imports (backend
+  `auto`: layers fla refuses run the torch op), compact with the torch op,
+  and an L1+L2 plan with a sharing window. Max |d logprob| and
   the worst relative gradient error (the tests' rule and floor).
 * `syncs`: host synchronisations of one compact step (torch's sync debug
   mode), by source line.
@@ -30,18 +31,20 @@ error and the rest still run):
 * `nccl`: `harts run` under a 1-process torchrun (nccl) against the plain
   run: the same loss, log-probabilities and gradients.
 * `fla-compile`: how long fla's first calls take, with every thread's stack
-  printed every 30 s while they run.
+  printed every 30 s while they run (`TRITON_PRINT_AUTOTUNING=1` names each
+  kernel and its autotuning time).
 
-On the first lent H200 (torch 2.11, Triton 3.6, fla 0.6.0) fla's first
-forward had not returned after 220 s, which starved every later section.
-The cause is not established; a likely one is that its forward kernels carry
-some 40 Triton autotuning configurations, compiled one after another on
-first use (the stacks the probe prints will tell). Until that is understood, run the probe beside the rest,
-which `--no-fla` keeps off fla (both transformers and our backend then run
-their torch paths):
+fla's first calls in a process compile and autotune every kernel, one
+configuration after another: on an H200 (fla 0.6.0, Triton 3.6), 78 s for the
+first bfloat16 KDA forward and 171 s for its backward (one kernel alone,
+chunk_kda_bwd_kernel_wy_dqkg_fused, 102 s), then again for float32 and for the
+scalar gate. Triton keeps the results on disk, so a later process on the same
+machine starts fast; a lent machine starts bare. `--fla-autotune-configs 1`
+keeps one configuration per kernel (fla's smallest tile, so fla's timings are
+then understated), and `benchmarks/device_run.sh` runs a session's checks as
+parallel processes (one per gate for fla, one with `--no-fla` for the rest):
 
-    (python3 benchmarks/device_check.py --sections fla-compile > $OUT/fla.log 2>&1 &)
-    python3 benchmarks/device_check.py --no-fla --sections fidelity,syncs,update,nccl --budget-s 300
+    bash benchmarks/device_run.sh 420       # logs in $OUT; ~470 s of device time
 
 How it was installed there (an image with torch, Triton, msgpack, networkx and
 hypothesis, no registry; the rest carried as wheels in an ignored `.whl/`:
@@ -143,10 +146,30 @@ def ops(device, args) -> list[str]:
         reference = round_outputs(chunk_linear_attention, inputs, cu, es, ec)
         for dtype in (torch.float32, torch.bfloat16):
             for name, fn in (("torch", chunk_linear_attention), ("fla", fla_linear_attention)):
-                got = round_outputs(fn, inputs, cu, es, ec, dtype)
-                lines.append(f"{gate:<8} {str(dtype)[6:]:<9} {name:<6} "
-                             + " ".join(f"{relative(a, b):>9.2e}" for a, b in zip(got, reference)))
+                head = f"{gate:<8} {str(dtype)[6:]:<9} {name:<6} "
+                try:   # fla may refuse a case (a scalar gate on Hopper, backend.fla_scalar_gate_defect)
+                    got = round_outputs(fn, inputs, cu, es, ec, dtype)
+                except RuntimeError as err:
+                    lines.append(head + f"failed: {str(err).splitlines()[0][:200]}")
+                    continue
+                lines.append(head + " ".join(f"{relative(a, b):>9.2e}" for a, b in zip(got, reference)))
     return lines
+
+
+def milliseconds_per_round(fn, inputs, cu, export_seq, export_chunk, repeat: int) -> float:
+    """Forward + backward of one round, after a warm-up (where Triton compiles); NaN if `fn` refuses."""
+    import torch
+
+    try:
+        round_outputs(fn, inputs, cu, export_seq, export_chunk)
+    except RuntimeError:   # fla refusing a case (backend.fla_scalar_gate_defect); ops prints why
+        return float("nan")
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeat):
+        round_outputs(fn, inputs, cu, export_seq, export_chunk)
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - started) / repeat
 
 
 def op_timing(device, args) -> list[str]:
@@ -158,17 +181,10 @@ def op_timing(device, args) -> list[str]:
     for lengths in ([4096], [256] * 16, [64] * 64, [8192, 4096, 2048, 999], [300] * 200):
         for gate in args.gates.split(","):
             inputs, cu, es, ec = make_round(lengths, gate, torch.bfloat16, device)
-            row = []
-            for fn in (chunk_linear_attention, fla_linear_attention):
-                round_outputs(fn, inputs, cu, es, ec)            # warm-up (Triton compiles)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(args.repeat):
-                    round_outputs(fn, inputs, cu, es, ec)
-                torch.cuda.synchronize()
-                row.append(1000 * (time.perf_counter() - t0) / args.repeat)
-            lines.append(f"{sum(lengths):>8} {len(lengths):>5} {gate:<8} {row[0]:>9.2f} {row[1]:>9.2f} "
-                         f"{row[0] / row[1]:>7.2f}x")
+            torch_ms, fla_ms = (milliseconds_per_round(fn, inputs, cu, es, ec, args.repeat)
+                                for fn in (chunk_linear_attention, fla_linear_attention))
+            lines.append(f"{sum(lengths):>8} {len(lengths):>5} {gate:<8} {torch_ms:>9.2f} {fla_ms:>9.2f} "
+                         f"{torch_ms / fla_ms:>7.2f}x")
     return lines
 
 
