@@ -357,3 +357,17 @@ def test_a_query_subset_must_leave_out_a_prefix_of_each_view():
     is_query = np.asarray(arrays["row_position"]) < 4      # leaves out a suffix: not what a cache produces
     with pytest.raises(ValueError, match="prefix of its own rows"):
         views.with_queries(is_query)
+
+
+def test_default_block_tokens_grows_tiles_on_an_accelerator_within_the_score_budget():
+    from harts.executor.ops.ancestor_attention import DEFAULT_BLOCK_TOKENS, default_block_tokens
+    from harts.executor.ops.ancestor_attention.blocked import ACCELERATOR_SCORE_TILE_BYTES
+
+    # On a CPU arithmetic dominates and the masked half of a larger diagonal tile would cost time.
+    assert default_block_tokens(torch.device("cpu"), 1) == DEFAULT_BLOCK_TOKENS
+    accelerator = torch.device("cuda")   # a device object only
+    picked = {heads: default_block_tokens(accelerator, heads) for heads in (1, 4, 8, 32, 128)}
+    assert picked == {1: 8192, 4: 4096, 8: 2048, 32: 1024, 128: 1024}
+    for heads, block in picked.items():   # the largest power of two in budget, never below the CPU's
+        assert block == DEFAULT_BLOCK_TOKENS or heads * block ** 2 * 4 <= ACCELERATOR_SCORE_TILE_BYTES
+        assert block == 8192 or heads * (2 * block) ** 2 * 4 > ACCELERATOR_SCORE_TILE_BYTES

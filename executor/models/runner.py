@@ -29,11 +29,12 @@ from harts.executor.windows import PASSTHROUGH, RowSource
 
 
 class RowRunner:
-    def __init__(self, model, chunk_size: int = 64, attention_block_tokens: int = 1024, recompute: bool = False):
+    def __init__(self, model, chunk_size: int = 64, attention_block_tokens: int | None = None,
+                 recompute: bool = False):
         self.model = model
         self.config = model.config
         self.chunk_size = chunk_size
-        self.attention_block_tokens = attention_block_tokens
+        self.attention_block_tokens = attention_block_tokens   # None: the device's (default_block_tokens)
         # Full-layer activation recomputation: each decoder layer keeps only its
         # input for backward and re-runs the same rows, rounds, replay and
         # handoffs from the fixed layout when its gradient is needed.

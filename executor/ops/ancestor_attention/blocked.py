@@ -34,8 +34,26 @@ from harts.executor.ops.dtypes import compute_dtype_for
 from harts.executor.ops.transfer import to_device
 
 # 1024 keeps one float32 score tile of 32 heads at 128 MiB while making the
-# matmuls big enough that Python overhead per tile is negligible.
+# matmuls big enough that Python overhead per tile is negligible on a CPU.
 DEFAULT_BLOCK_TOKENS = 1024
+# On an accelerator a small model's step is bound by kernel launches, not arithmetic (the lent
+# H200 ran tiny Kimi Linear at a third of the speed its compression predicts), and each tile and
+# key chunk launches some fifteen kernels forward and twenty backward. There tiles grow, in powers
+# of two, while one float32 score tile [H, B, B] stays within this budget (backward holds three).
+ACCELERATOR_SCORE_TILE_BYTES = 256 * 2**20
+ACCELERATOR_MAX_BLOCK_TOKENS = 8192
+
+
+def default_block_tokens(device: torch.device, num_heads: int) -> int:
+    """B for `ancestor_attention` on `device` with `num_heads` query heads: DEFAULT_BLOCK_TOKENS on a
+    CPU; on an accelerator the largest power of two up to ACCELERATOR_MAX_BLOCK_TOKENS whose
+    float32 score tile fits ACCELERATOR_SCORE_TILE_BYTES (never below DEFAULT_BLOCK_TOKENS)."""
+    block = DEFAULT_BLOCK_TOKENS
+    if device.type == "cpu":
+        return block
+    while 2 * block <= ACCELERATOR_MAX_BLOCK_TOKENS and num_heads * (2 * block) ** 2 * 4 <= ACCELERATOR_SCORE_TILE_BYTES:
+        block *= 2
+    return block
 
 
 def check_inputs(q, k, v, views, scale, block_tokens) -> None:
@@ -66,8 +84,9 @@ def check_inputs(q, k, v, views, scale, block_tokens) -> None:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
         raise ValueError(f"scale must be None (Dk ** -0.5) or a positive number, got {scale!r}")
-    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
-        raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
+    if block_tokens is not None and (isinstance(block_tokens, bool) or not isinstance(block_tokens, int)
+                                     or block_tokens < 1):
+        raise ValueError(f"block_tokens must be None (the device's default) or a positive int, got {block_tokens!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +273,7 @@ def ancestor_attention(
     v: torch.Tensor,
     views: AttentionViews,
     scale: float | None = None,
-    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    block_tokens: int | None = None,
 ) -> torch.Tensor:
     """Causal softmax attention of every compact row over its ancestors; returns o [R, H, Dv].
 
@@ -266,13 +285,16 @@ def ancestor_attention(
         views: the microbatch's `AttentionViews` (same R).
         scale: score scale, default Dk ** -0.5.
         block_tokens: B, the most keys gathered per block and per chunk and the
-            most queries per tile; peak temporary memory is O(H * B^2).
+            most queries per tile; peak temporary memory is O(H * B^2). None:
+            `default_block_tokens` for q's device and heads.
 
     Row r's output equals the output at its position of plain causal attention
     over any trajectory that contains it. float64 computes in float64, other
     float dtypes in float32; the result has q's dtype.
     """
     check_inputs(q, k, v, views, scale, block_tokens)
+    if block_tokens is None:
+        block_tokens = default_block_tokens(q.device, q.shape[1])
     dtype = compute_dtype_for(q.dtype)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     if views.num_queries == 0:
