@@ -73,7 +73,8 @@ state S0 and cumulative log-decay G_t = g_1 + ... + g_t:
    the sequences that still have a chunk c. Chunks are laid out step-major
    (all first chunks, then all second chunks, ...), sequences sorted by chunk
    count, so step c reads one contiguous slice and the active states are a
-   prefix of the state batch.
+   prefix of the state batch. Its backward is the loop reversed, written out
+   (`_ChunkRecurrence`): three kernels a step forward, eight backward.
 3. O for all chunks at once from the chunk start states.
 
 Every op in 1 and 3 acts on one chunk at a time, and the loop in 2 on one
@@ -98,6 +99,7 @@ import math
 
 import numpy as np
 import torch
+from torch.autograd.function import once_differentiable
 
 from harts.executor.ops.transfer import to_device
 
@@ -149,7 +151,7 @@ def chunk_linear_attention(
     q_NHK, k_NHK, v_NHV, g, beta_NH, state0_SHKV = prepare_inputs(
         q, k, v, g, beta, initial_state, num_seqs, scale, use_qk_l2norm_in_kernel
     )
-    num_heads, key_dim, value_dim = v.shape[1], q.shape[2], v.shape[2]
+    num_heads, value_dim = v.shape[1], v.shape[2]
     layout = round_layout(host, chunk_size, q.device)
     if layout.num_slots == 0:  # every sequence is empty
         return v_NHV.new_zeros(0, num_heads, value_dim).to(q.dtype), state0_SHKV.new_zeros(0, *state0_SHKV.shape[1:])
@@ -177,28 +179,95 @@ def chunk_linear_attention(
     chunk_decay_MHK1 = cum_last_MH1_.transpose(-1, -2).exp()  # [M, H, K, 1] or [M, H, 1, 1]
 
     # 2. The chunk recurrence, batched over the sequences that have chunk c.
-    # Split once rather than slice per step: the backward of each slice would
-    # allocate a full-size gradient, quadratic in the number of chunks.
-    per_step = [x.split(layout.step_count) for x in (u_MHBV, w_MHBK, kdecay_MHBK, chunk_decay_MHK1)]
     state_SHKV = state0_SHKV.index_select(0, layout.order)  # sorted by chunk count, longest first
-    start_states, new_values, export_pieces = [], [], []
-    for c, (u_step, w_step, kdecay_step, chunk_decay_step) in enumerate(zip(*per_step)):
-        state_SHKV = state_SHKV[: u_step.shape[0]]  # sequences without a chunk c have finished
-        start_states.append(state_SHKV)
-        v_new_step = u_step - w_step @ state_SHKV
-        new_values.append(v_new_step)
-        state_SHKV = state_SHKV * chunk_decay_step + kdecay_step.transpose(-1, -2) @ v_new_step
-        if c + 1 in layout.export_ranks:
-            export_pieces.append(state_SHKV.index_select(0, layout.export_ranks[c + 1]))
+    starts_MHKV, new_values_MHBV, export_pieces = _ChunkRecurrence.apply(
+        state_SHKV, u_MHBV, w_MHBK, kdecay_MHBK, chunk_decay_MHK1, layout)
 
     # 3. Outputs of all chunks from their start states.
-    o_MHBV = qdecay_MHBK @ torch.cat(start_states) + aqk_MHBB @ torch.cat(new_values)
+    o_MHBV = qdecay_MHBK @ starts_MHKV + aqk_MHBB @ new_values_MHBV
     o_NHV = layout.from_chunks(o_MHBV)
-    if export_pieces:
-        exported_EHKV = torch.cat(export_pieces).index_select(0, layout.export_inverse)
-    else:
-        exported_EHKV = state0_SHKV.new_zeros(0, num_heads, key_dim, value_dim)
+    exported_EHKV = export_pieces.index_select(0, layout.export_inverse)
     return o_NHV.to(q.dtype), exported_EHKV
+
+
+class _ChunkRecurrence(torch.autograd.Function):
+    """Step 2: S_{c+1} = S_c * decay_c + kdecay_c^T (u_c - w_c S_c), one chunk step at a time,
+    batched over the sequences that have chunk c (a shrinking prefix of the state batch).
+
+    Returns every step's start states [M, H, K, V] and new values [M, H, B, V] (step-major, as the
+    chunk slots), and the exported states in piece order (step by step, `layout.export_ranks`).
+    The backward is the same loop reversed, written out: left to autograd, each of the round's
+    chunk steps would be some fifteen graph nodes, and on an accelerator each is a kernel launch
+    plus the engine's bookkeeping, which bound a small model's step. Every op still acts on one
+    sequence at a time, so gradients keep the forward's independence from the rest of the round.
+    """
+
+    @staticmethod
+    def forward(ctx, state_SHKV, u_MHBV, w_MHBK, kdecay_MHBK, chunk_decay_MHK1, layout):
+        # Split once rather than slice per step (cheaper views; the same values).
+        per_step = [x.split(layout.step_count) for x in (u_MHBV, w_MHBK, kdecay_MHBK, chunk_decay_MHK1)]
+        num_states, state_SHKV = state_SHKV.shape[0], state_SHKV.contiguous()   # `_batched` views need it
+        start_states, new_values, export_pieces = [], [], []
+        for c, (u_step, w_step, kdecay_step, chunk_decay_step) in enumerate(zip(*per_step)):
+            state_SHKV = state_SHKV[: u_step.shape[0]]  # sequences without a chunk c have finished
+            start_states.append(state_SHKV)
+            state_3 = _batched(state_SHKV)
+            v_new_3 = torch.baddbmm(_batched(u_step), _batched(w_step), state_3, alpha=-1)   # u - w S
+            new_values.append(v_new_3.view(u_step.shape))
+            state_SHKV = torch.baddbmm(_batched(state_SHKV * chunk_decay_step), _batched(kdecay_step).transpose(1, 2),
+                                       v_new_3).view(state_SHKV.shape)
+            if c + 1 in layout.export_ranks:
+                export_pieces.append(state_SHKV.index_select(0, layout.export_ranks[c + 1]))
+        starts_MHKV, new_values_MHBV = torch.cat(start_states), torch.cat(new_values)
+        exports = torch.cat(export_pieces) if export_pieces else state_SHKV.new_zeros(0, *state_SHKV.shape[1:])
+        ctx.save_for_backward(starts_MHKV, new_values_MHBV, w_MHBK, kdecay_MHBK, chunk_decay_MHK1)
+        ctx.layout, ctx.num_states = layout, num_states
+        return starts_MHKV, new_values_MHBV, exports
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_starts_MHKV, d_new_values_MHBV, d_exports):
+        starts_MHKV, new_values_MHBV, w_MHBK, kdecay_MHBK, chunk_decay_MHK1 = ctx.saved_tensors
+        layout = ctx.layout
+        counts = layout.step_count
+        # Contiguous, as `_batched` views need (an incoming gradient may be any layout).
+        d_starts_MHKV = torch.zeros_like(starts_MHKV) if d_starts_MHKV is None else d_starts_MHKV.contiguous()
+        d_new_values_MHBV = (torch.zeros_like(new_values_MHBV) if d_new_values_MHBV is None
+                             else d_new_values_MHBV.contiguous())
+        per_step = [x.split(counts) for x in (starts_MHKV, new_values_MHBV, w_MHBK, kdecay_MHBK, chunk_decay_MHK1,
+                                              d_starts_MHKV, d_new_values_MHBV)]
+        d_pieces = {}
+        if d_exports is not None and d_exports.shape[0]:
+            steps = sorted(layout.export_ranks)
+            sizes = [layout.export_ranks[step].shape[0] for step in steps]
+            d_pieces = dict(zip(steps, d_exports.split(sizes)))
+        du, dw, dkdecay, ddecay = [], [], [], []
+        d_next = starts_MHKV.new_zeros(0, *starts_MHKV.shape[1:])   # dL/dS_{c+1} of the sequences with chunk c
+        for c in range(len(counts) - 1, -1, -1):
+            state, v_new, w, kdecay, decay, d_start, d_v_new = (x[c] for x in per_step)
+            if d_next.shape[0] < counts[c]:   # sequences whose last chunk is c: nothing from later steps
+                d_next = torch.cat([d_next, d_next.new_zeros(counts[c] - d_next.shape[0], *d_next.shape[1:])])
+            if c + 1 in d_pieces:
+                d_next = d_next.index_add(0, layout.export_ranks[c + 1], d_pieces[c + 1])
+            # [n * H, ...] batches: bmm reads transposed operands in place, where a 4-D matmul copies them.
+            d_next_3, state_3, w_3 = _batched(d_next), _batched(state), _batched(w)
+            d_v = torch.baddbmm(_batched(d_v_new), _batched(kdecay), d_next_3)              # [n*H, B, V]
+            dkdecay.append(torch.bmm(_batched(v_new), d_next_3.transpose(1, 2)).view(w.shape))
+            d_decay = (state * d_next).sum(dim=-1, keepdim=True)                         # [n, H, K, 1]
+            ddecay.append(d_decay.sum(dim=-2, keepdim=True) if decay.shape[-2] == 1 else d_decay)
+            du.append(d_v.view(v_new.shape))
+            dw.append(torch.bmm(d_v, state_3.transpose(1, 2)).view(w.shape))              # minus: at the end
+            d_next = torch.baddbmm(_batched(torch.addcmul(d_start, d_next, decay)), w_3.transpose(1, 2), d_v,
+                                   alpha=-1).view(state.shape)                           # dL/dS_c
+        if d_next.shape[0] < ctx.num_states:   # sequences without chunks: their start state is unused
+            d_next = torch.cat([d_next, d_next.new_zeros(ctx.num_states - d_next.shape[0], *d_next.shape[1:])])
+        return (d_next, torch.cat(du[::-1]), torch.cat(dw[::-1]).neg_(), torch.cat(dkdecay[::-1]),
+                torch.cat(ddecay[::-1]), None)
+
+
+def _batched(x_nH__: torch.Tensor) -> torch.Tensor:
+    """[n, H, a, b] -> [n * H, a, b] (a view: the recurrence's tensors are contiguous)."""
+    return x_nH__.view(-1, *x_nH__.shape[2:])
 
 
 def round_layout(host: RoundHost, chunk_size: int, device: torch.device) -> "_RoundLayout":
