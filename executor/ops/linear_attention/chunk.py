@@ -74,7 +74,8 @@ state S0 and cumulative log-decay G_t = g_1 + ... + g_t:
    (all first chunks, then all second chunks, ...), sequences sorted by chunk
    count, so step c reads one contiguous slice and the active states are a
    prefix of the state batch. Its backward is the loop reversed, written out
-   (`_ChunkRecurrence`): three kernels a step forward, eight backward.
+   (`_ChunkRecurrence`): three kernels a step forward and three backward,
+   the rest of the backward batched over all chunk slots.
 3. O for all chunks at once from the chunk start states.
 
 Every op in 1 and 3 acts on one chunk at a time, and the loop in 2 on one
@@ -234,35 +235,38 @@ class _ChunkRecurrence(torch.autograd.Function):
         d_starts_MHKV = torch.zeros_like(starts_MHKV) if d_starts_MHKV is None else d_starts_MHKV.contiguous()
         d_new_values_MHBV = (torch.zeros_like(new_values_MHBV) if d_new_values_MHBV is None
                              else d_new_values_MHBV.contiguous())
-        per_step = [x.split(counts) for x in (starts_MHKV, new_values_MHBV, w_MHBK, kdecay_MHBK, chunk_decay_MHK1,
-                                              d_starts_MHKV, d_new_values_MHBV)]
+        per_step = [x.split(counts) for x in (w_MHBK, kdecay_MHBK, chunk_decay_MHK1, d_starts_MHKV, d_new_values_MHBV)]
         d_pieces = {}
         if d_exports is not None and d_exports.shape[0]:
             steps = sorted(layout.export_ranks)
             sizes = [layout.export_ranks[step].shape[0] for step in steps]
             d_pieces = dict(zip(steps, d_exports.split(sizes)))
-        du, dw, dkdecay, ddecay = [], [], [], []
-        d_next = starts_MHKV.new_zeros(0, *starts_MHKV.shape[1:])   # dL/dS_{c+1} of the sequences with chunk c
+        # Only what chains step to step stays in the loop (three kernels a step); the rest of each
+        # step's gradient is one batched op over every chunk slot afterwards. Each step writes its
+        # results into slot-major buffers (`out=`): no per-step copies, no second buffer to concatenate.
+        d_v_MHBV = torch.empty_like(new_values_MHBV)     # dL/dV_new
+        d_end_MHKV = torch.empty_like(starts_MHKV)       # dL/dS_{c+1}, on step c's slots
+        d_state_SHKV = starts_MHKV.new_zeros(ctx.num_states, *starts_MHKV.shape[1:])   # dL/dS_0, no-chunk rows 0
+        d_v_steps, d_end_steps = d_v_MHBV.split(counts), d_end_MHKV.split(counts)
         for c in range(len(counts) - 1, -1, -1):
-            state, v_new, w, kdecay, decay, d_start, d_v_new = (x[c] for x in per_step)
-            if d_next.shape[0] < counts[c]:   # sequences whose last chunk is c: nothing from later steps
-                d_next = torch.cat([d_next, d_next.new_zeros(counts[c] - d_next.shape[0], *d_next.shape[1:])])
+            w, kdecay, decay, d_start, d_v_new = (x[c] for x in per_step)
+            d_end, d_v = d_end_steps[c], _batched(d_v_steps[c])
+            continuing = counts[c + 1] if c + 1 < len(counts) else 0   # rows step c + 1 wrote into d_end
+            if continuing < counts[c]:   # sequences whose last chunk is c: nothing from later steps
+                d_end[continuing:].zero_()
             if c + 1 in d_pieces:
-                d_next = d_next.index_add(0, layout.export_ranks[c + 1], d_pieces[c + 1])
+                d_end.index_add_(0, layout.export_ranks[c + 1], d_pieces[c + 1])
             # [n * H, ...] batches: bmm reads transposed operands in place, where a 4-D matmul copies them.
-            d_next_3, state_3, w_3 = _batched(d_next), _batched(state), _batched(w)
-            d_v = torch.baddbmm(_batched(d_v_new), _batched(kdecay), d_next_3)              # [n*H, B, V]
-            dkdecay.append(torch.bmm(_batched(v_new), d_next_3.transpose(1, 2)).view(w.shape))
-            d_decay = (state * d_next).sum(dim=-1, keepdim=True)                         # [n, H, K, 1]
-            ddecay.append(d_decay.sum(dim=-2, keepdim=True) if decay.shape[-2] == 1 else d_decay)
-            du.append(d_v.view(v_new.shape))
-            dw.append(torch.bmm(d_v, state_3.transpose(1, 2)).view(w.shape))              # minus: at the end
-            d_next = torch.baddbmm(_batched(torch.addcmul(d_start, d_next, decay)), w_3.transpose(1, 2), d_v,
-                                   alpha=-1).view(state.shape)                           # dL/dS_c
-        if d_next.shape[0] < ctx.num_states:   # sequences without chunks: their start state is unused
-            d_next = torch.cat([d_next, d_next.new_zeros(ctx.num_states - d_next.shape[0], *d_next.shape[1:])])
-        return (d_next, torch.cat(du[::-1]), torch.cat(dw[::-1]).neg_(), torch.cat(dkdecay[::-1]),
-                torch.cat(ddecay[::-1]), None)
+            torch.baddbmm(_batched(d_v_new), _batched(kdecay), _batched(d_end), out=d_v)
+            d_start_of_step = d_end_steps[c - 1][: counts[c]] if c > 0 else d_state_SHKV[: counts[0]]
+            torch.baddbmm(_batched(torch.addcmul(d_start, d_end, decay)), _batched(w).transpose(1, 2), d_v,
+                          alpha=-1, out=_batched(d_start_of_step))                    # dL/dS_c
+        d_w_MHBK = torch.bmm(_batched(d_v_MHBV), _batched(starts_MHKV).transpose(1, 2)).neg_().view(w_MHBK.shape)
+        d_kdecay_MHBK = torch.bmm(_batched(new_values_MHBV), _batched(d_end_MHKV).transpose(1, 2)).view(w_MHBK.shape)
+        d_decay_MHK1 = (starts_MHKV * d_end_MHKV).sum(dim=-1, keepdim=True)
+        if chunk_decay_MHK1.shape[-2] == 1:   # a scalar gate: one decay per head
+            d_decay_MHK1 = d_decay_MHK1.sum(dim=-2, keepdim=True)
+        return d_state_SHKV, d_v_MHBV, d_w_MHBK, d_kdecay_MHBK, d_decay_MHK1, None
 
 
 def _batched(x_nH__: torch.Tensor) -> torch.Tensor:
