@@ -74,8 +74,8 @@ state S0 and cumulative log-decay G_t = g_1 + ... + g_t:
    (all first chunks, then all second chunks, ...), sequences sorted by chunk
    count, so step c reads one contiguous slice and the active states are a
    prefix of the state batch. Its backward is the loop reversed, written out
-   (`_ChunkRecurrence`): three kernels a step forward and three backward,
-   the rest of the backward batched over all chunk slots.
+   (`_ChunkRecurrence`): one kernel a step each way, the rest batched over
+   all chunk slots.
 3. O for all chunks at once from the chunk start states.
 
 Every op in 1 and 3 acts on one chunk at a time, and the loop in 2 on one
@@ -192,81 +192,91 @@ def chunk_linear_attention(
 
 
 class _ChunkRecurrence(torch.autograd.Function):
-    """Step 2: S_{c+1} = S_c * decay_c + kdecay_c^T (u_c - w_c S_c), one chunk step at a time,
-    batched over the sequences that have chunk c (a shrinking prefix of the state batch).
+    """Step 2: the chunk recurrence, one chunk step at a time, batched over the sequences that have
+    chunk c (a shrinking prefix of the state batch):
+
+        V_new_c = u_c - w_c S_c
+        S_{c+1} = decay_c * S_c + kdecay_c^T V_new_c  =  A_c S_c + kdecay_c^T u_c,
+        A_c = diag(decay_c) - kdecay_c^T w_c                     ([K, K]; decay_c * I for a scalar gate)
+
+    Everything but the chain S_c -> S_{c+1} is batched over all chunk slots outside the loop, so
+    a step is one kernel forward and one backward: on an accelerator a small model's step is
+    bound by kernel launches (left to autograd a step was some fifteen graph nodes). Every op
+    still acts on one sequence at a time, so results, gradients included, do not depend on the
+    rest of the round.
 
     Returns every step's start states [M, H, K, V] and new values [M, H, B, V] (step-major, as the
     chunk slots), and the exported states in piece order (step by step, `layout.export_ranks`).
-    The backward is the same loop reversed, written out: left to autograd, each of the round's
-    chunk steps would be some fifteen graph nodes, and on an accelerator each is a kernel launch
-    plus the engine's bookkeeping, which bound a small model's step. Every op still acts on one
-    sequence at a time, so gradients keep the forward's independence from the rest of the round.
     """
 
     @staticmethod
     def forward(ctx, state_SHKV, u_MHBV, w_MHBK, kdecay_MHBK, chunk_decay_MHK1, layout):
-        # Split once rather than slice per step (cheaper views; the same values).
-        per_step = [x.split(layout.step_count) for x in (u_MHBV, w_MHBK, kdecay_MHBK, chunk_decay_MHK1)]
-        num_states, state_SHKV = state_SHKV.shape[0], state_SHKV.contiguous()   # `_batched` views need it
-        start_states, new_values, export_pieces = [], [], []
-        for c, (u_step, w_step, kdecay_step, chunk_decay_step) in enumerate(zip(*per_step)):
-            state_SHKV = state_SHKV[: u_step.shape[0]]  # sequences without a chunk c have finished
+        # [M * H, ...] batches (`_batched`): bmm reads transposed operands in place, where a 4-D matmul copies.
+        num_slots, num_heads, _, key_dim = w_MHBK.shape
+        kdecay_t = _batched(kdecay_MHBK).transpose(1, 2)
+        transition_MHKK = torch.bmm(kdecay_t, _batched(w_MHBK)).neg_().view(num_slots, num_heads, key_dim, key_dim)
+        transition_MHKK.diagonal(dim1=-2, dim2=-1).add_(chunk_decay_MHK1[..., 0])   # + diag(decay)
+        inflow_MHKV = torch.bmm(kdecay_t, _batched(u_MHBV)).view(num_slots, num_heads, key_dim, u_MHBV.shape[-1])
+        num_states, state_SHKV = state_SHKV.shape[0], state_SHKV.contiguous()
+        start_states, export_pieces = [], []
+        for c, (transition, inflow) in enumerate(zip(transition_MHKK.split(layout.step_count),
+                                                     inflow_MHKV.split(layout.step_count))):
+            state_SHKV = state_SHKV[: transition.shape[0]]  # sequences without a chunk c have finished
             start_states.append(state_SHKV)
-            state_3 = _batched(state_SHKV)
-            v_new_3 = torch.baddbmm(_batched(u_step), _batched(w_step), state_3, alpha=-1)   # u - w S
-            new_values.append(v_new_3.view(u_step.shape))
-            state_SHKV = torch.baddbmm(_batched(state_SHKV * chunk_decay_step), _batched(kdecay_step).transpose(1, 2),
-                                       v_new_3).view(state_SHKV.shape)
+            state_SHKV = torch.baddbmm(_batched(inflow), _batched(transition), _batched(state_SHKV)).view(inflow.shape)
             if c + 1 in layout.export_ranks:
                 export_pieces.append(state_SHKV.index_select(0, layout.export_ranks[c + 1]))
-        starts_MHKV, new_values_MHBV = torch.cat(start_states), torch.cat(new_values)
+        starts_MHKV = torch.cat(start_states)
+        new_values_MHBV = torch.baddbmm(_batched(u_MHBV), _batched(w_MHBK), _batched(starts_MHKV),
+                                        alpha=-1).view(u_MHBV.shape)
         exports = torch.cat(export_pieces) if export_pieces else state_SHKV.new_zeros(0, *state_SHKV.shape[1:])
-        ctx.save_for_backward(starts_MHKV, new_values_MHBV, w_MHBK, kdecay_MHBK, chunk_decay_MHK1)
-        ctx.layout, ctx.num_states = layout, num_states
+        ctx.save_for_backward(starts_MHKV, transition_MHKK, u_MHBV, w_MHBK, kdecay_MHBK)
+        ctx.layout, ctx.num_states, ctx.scalar_gate = layout, num_states, chunk_decay_MHK1.shape[-2] == 1
         return starts_MHKV, new_values_MHBV, exports
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_starts_MHKV, d_new_values_MHBV, d_exports):
-        starts_MHKV, new_values_MHBV, w_MHBK, kdecay_MHBK, chunk_decay_MHK1 = ctx.saved_tensors
-        layout = ctx.layout
-        counts = layout.step_count
+        starts_MHKV, transition_MHKK, u_MHBV, w_MHBK, kdecay_MHBK = ctx.saved_tensors
+        layout, counts = ctx.layout, ctx.layout.step_count
         # Contiguous, as `_batched` views need (an incoming gradient may be any layout).
         d_starts_MHKV = torch.zeros_like(starts_MHKV) if d_starts_MHKV is None else d_starts_MHKV.contiguous()
-        d_new_values_MHBV = (torch.zeros_like(new_values_MHBV) if d_new_values_MHBV is None
+        d_new_values_MHBV = (torch.zeros_like(u_MHBV) if d_new_values_MHBV is None
                              else d_new_values_MHBV.contiguous())
-        per_step = [x.split(counts) for x in (w_MHBK, kdecay_MHBK, chunk_decay_MHK1, d_starts_MHKV, d_new_values_MHBV)]
         d_pieces = {}
         if d_exports is not None and d_exports.shape[0]:
             steps = sorted(layout.export_ranks)
-            sizes = [layout.export_ranks[step].shape[0] for step in steps]
-            d_pieces = dict(zip(steps, d_exports.split(sizes)))
-        # Only what chains step to step stays in the loop (three kernels a step); the rest of each
-        # step's gradient is one batched op over every chunk slot afterwards. Each step writes its
-        # results into slot-major buffers (`out=`): no per-step copies, no second buffer to concatenate.
-        d_v_MHBV = torch.empty_like(new_values_MHBV)     # dL/dV_new
+            d_pieces = dict(zip(steps, d_exports.split([layout.export_ranks[step].shape[0] for step in steps])))
+        # What reaches S_c from step c's own outputs (its start state and V_new), all slots at once.
+        d_direct_MHKV = torch.baddbmm(_batched(d_starts_MHKV), _batched(w_MHBK).transpose(1, 2),
+                                      _batched(d_new_values_MHBV), alpha=-1).view(starts_MHKV.shape)
+        # The chain, last step first; each step writes dL/dS_c where step c - 1 reads it (`out=`).
         d_end_MHKV = torch.empty_like(starts_MHKV)       # dL/dS_{c+1}, on step c's slots
-        d_state_SHKV = starts_MHKV.new_zeros(ctx.num_states, *starts_MHKV.shape[1:])   # dL/dS_0, no-chunk rows 0
-        d_v_steps, d_end_steps = d_v_MHBV.split(counts), d_end_MHKV.split(counts)
-        for c in range(len(counts) - 1, -1, -1):
-            w, kdecay, decay, d_start, d_v_new = (x[c] for x in per_step)
-            d_end, d_v = d_end_steps[c], _batched(d_v_steps[c])
+        d_state_SHKV = starts_MHKV.new_zeros(ctx.num_states, *starts_MHKV.shape[1:])   # no-chunk rows stay 0
+        d_end_steps = d_end_MHKV.split(counts)
+        for c, (transition, d_direct) in reversed(list(enumerate(zip(transition_MHKK.split(counts),
+                                                                     d_direct_MHKV.split(counts))))):
+            d_end = d_end_steps[c]
             continuing = counts[c + 1] if c + 1 < len(counts) else 0   # rows step c + 1 wrote into d_end
             if continuing < counts[c]:   # sequences whose last chunk is c: nothing from later steps
                 d_end[continuing:].zero_()
             if c + 1 in d_pieces:
                 d_end.index_add_(0, layout.export_ranks[c + 1], d_pieces[c + 1])
-            # [n * H, ...] batches: bmm reads transposed operands in place, where a 4-D matmul copies them.
-            torch.baddbmm(_batched(d_v_new), _batched(kdecay), _batched(d_end), out=d_v)
-            d_start_of_step = d_end_steps[c - 1][: counts[c]] if c > 0 else d_state_SHKV[: counts[0]]
-            torch.baddbmm(_batched(torch.addcmul(d_start, d_end, decay)), _batched(w).transpose(1, 2), d_v,
-                          alpha=-1, out=_batched(d_start_of_step))                    # dL/dS_c
-        d_w_MHBK = torch.bmm(_batched(d_v_MHBV), _batched(starts_MHKV).transpose(1, 2)).neg_().view(w_MHBK.shape)
-        d_kdecay_MHBK = torch.bmm(_batched(new_values_MHBV), _batched(d_end_MHKV).transpose(1, 2)).view(w_MHBK.shape)
-        d_decay_MHK1 = (starts_MHKV * d_end_MHKV).sum(dim=-1, keepdim=True)
-        if chunk_decay_MHK1.shape[-2] == 1:   # a scalar gate: one decay per head
-            d_decay_MHK1 = d_decay_MHK1.sum(dim=-2, keepdim=True)
-        return d_state_SHKV, d_v_MHBV, d_w_MHBK, d_kdecay_MHBK, d_decay_MHK1, None
+            d_start = d_end_steps[c - 1][: counts[c]] if c > 0 else d_state_SHKV[: counts[0]]
+            torch.baddbmm(_batched(d_direct), _batched(transition).transpose(1, 2), _batched(d_end),
+                          out=_batched(d_start))                                         # dL/dS_c
+        # The rest of every step's gradient, all slots at once.
+        d_transition = torch.bmm(_batched(d_end_MHKV), _batched(starts_MHKV).transpose(1, 2))   # [M*H, K, K]
+        kdecay, w, u, d_end = _batched(kdecay_MHBK), _batched(w_MHBK), _batched(u_MHBV), _batched(d_end_MHKV)
+        d_u_MHBV = torch.baddbmm(_batched(d_new_values_MHBV), kdecay, d_end).view(u_MHBV.shape)
+        d_w_MHBK = torch.baddbmm(torch.bmm(_batched(d_new_values_MHBV), _batched(starts_MHKV).transpose(1, 2)),
+                                 kdecay, d_transition).neg_().view(w_MHBK.shape)
+        d_kdecay_MHBK = torch.baddbmm(torch.bmm(u, d_end.transpose(1, 2)), w, d_transition.transpose(1, 2),
+                                      alpha=-1).view(kdecay_MHBK.shape)
+        d_decay = d_transition.diagonal(dim1=-2, dim2=-1).view(*transition_MHKK.shape[:-1], 1)   # [M, H, K, 1]
+        if ctx.scalar_gate:   # one decay per head: it enters every diagonal entry
+            d_decay = d_decay.sum(dim=-2, keepdim=True)
+        return d_state_SHKV, d_u_MHBV, d_w_MHBK, d_kdecay_MHBK, d_decay, None
 
 
 def _batched(x_nH__: torch.Tensor) -> torch.Tensor:
