@@ -14,6 +14,7 @@ import torch
 
 from harts.executor.layout import MODES
 from harts.executor.losses import LOGPROB_POSITIONS, LOSSES, REDUCTIONS, LossConfig
+from harts.executor.models.registry import runner_class
 from harts.executor.ops.linear_attention.backend import select_backend
 from harts.progress import quiet_library_progress, terminal_progress
 from harts.schema.atomic import atomic_write_files, check_output_path
@@ -200,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             group = distributed.init_data_parallel(int(plan.flags["dp"]), device)
             selected, primary = distributed.microbatches_of_replica(plan, group.rank), group.is_primary
         model = model.to(device)
+        backend = model_backend(device, plan, model)   # now knowing the family's gate (a defect may rule fla out)
         if primary and backend == "fla":
             print("harts run: linear attention runs fla's Triton kernels, which compile and autotune on first use "
                   "(minutes on a fresh machine; HARTS_LINEAR_ATTENTION=torch runs our torch op instead)",
@@ -220,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     report(args, mode, plan, result)
     return 0
+
+
+def model_backend(device: torch.device, plan, model) -> str:
+    """The linear-attention backend `model`'s rounds get on `device` (see `select_backend`)."""
+    scalar_gate = runner_class(model).SCALAR_GATE
+    return select_backend(device, int(plan.flags["chunk_size"]), scalar_gate=scalar_gate)
 
 
 def report(args, mode: str, plan, result) -> None:

@@ -503,3 +503,28 @@ def test_backend_selection_keeps_scalar_gates_off_a_defective_fla(monkeypatch):
     monkeypatch.setattr(backend, "fla_scalar_gate_defect", lambda: None)
     assert backend.select_backend(cuda, 64, scalar_gate=True) == "fla"
     backend._warn_fla_scalar_gate.cache_clear()
+
+
+def test_harts_run_picks_the_backend_from_the_model_familys_gate(monkeypatch):
+    """`harts run` asks for a backend knowing the family: Qwen3-Next (scalar gates) stays off a
+    defective fla, Kimi Linear (per-channel) keeps it; asking for fla there fails before the step."""
+    from fidelity import tiny_kimi_linear, tiny_qwen3_next
+
+    from harts.executor.cli import model_backend
+    from harts.executor.ops.linear_attention import backend
+
+    class Plan:
+        flags = {"chunk_size": 64}
+
+    cuda = torch.device("cuda")   # a device object only
+    monkeypatch.setattr(backend, "fla_import_error", lambda: None)
+    monkeypatch.setattr(backend, "fla_scalar_gate_defect", lambda: "fla refuses scalar-gate backward here (fla #640)")
+    backend._warn_fla_scalar_gate.cache_clear()
+    assert model_backend(cuda, Plan, tiny_kimi_linear()) == "fla"
+    qwen = tiny_qwen3_next()
+    with pytest.warns(UserWarning, match="scalar-gate layers run on the torch op"):
+        assert model_backend(cuda, Plan, qwen) == "torch"
+    monkeypatch.setenv("HARTS_LINEAR_ATTENTION", "fla")
+    with pytest.raises(ValueError, match="upgrade Triton to >= 3.7.1"):
+        model_backend(cuda, Plan, qwen)
+    backend._warn_fla_scalar_gate.cache_clear()

@@ -39,6 +39,8 @@ from harts.executor.windows import RowSource
 class Qwen3NextRunner(RowRunner):
     """Forward of a `Qwen3NextForCausalLM` over an `ExecLayout`'s rows."""
 
+    SCALAR_GATE = True   # Gated DeltaNet: one decay per value head
+
     def layer_inputs(self, layout: ExecLayout, h_RD: torch.Tensor):
         """The model's own rotary module at each row's original position: ([R, rotary_dim], [R, rotary_dim])."""
         if "full_attention" not in self.config.layer_types:

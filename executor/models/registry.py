@@ -17,10 +17,15 @@ RUNNERS = {
 }
 
 
-def runner_for(model, **options):
+def runner_class(model) -> type:
+    """The runner class of `model`'s family; a HartsError (one line with its fix) if there is none."""
     model_type = getattr(model.config, "model_type", None)
     if model_type not in RUNNERS:
         raise HartsError(f"model type {model_type!r} is not supported yet; fix: use one of "
                          f"{', '.join(sorted(RUNNERS))} (harts init-model writes one)")
     module, name = RUNNERS[model_type]
-    return getattr(importlib.import_module(module), name)(model, **options)
+    return getattr(importlib.import_module(module), name)
+
+
+def runner_for(model, **options):
+    return runner_class(model)(model, **options)

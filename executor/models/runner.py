@@ -29,6 +29,10 @@ from harts.executor.windows import PASSTHROUGH, RowSource
 
 
 class RowRunner:
+    # A family whose linear attention decays by one scalar per head (Gated DeltaNet) sets this:
+    # some fla versions refuse that case on some GPUs (backend.fla_scalar_gate_defect).
+    SCALAR_GATE = False
+
     def __init__(self, model, chunk_size: int = 64, attention_block_tokens: int | None = None,
                  recompute: bool = False):
         self.model = model
