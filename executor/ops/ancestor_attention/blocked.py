@@ -194,6 +194,16 @@ def _forward(q_RHD, k_RHD, v_RHD, views, block_tokens, scale):
             rows_T = block.query_rows[tile.query]
             tokens = rows_T.numel()
             qs_HQD = _heads_first(q_RHD.index_select(0, rows_T), num_kv_heads) * scale
+            if len(tile.keys) == 1:   # every multi-view tile, and short views: a plain softmax
+                (keys, needs_mask), = tile.keys
+                rows_K = block.key_rows[keys]
+                s_HQK = _masked_scores(qs_HQD, k_RHD.index_select(0, rows_K), keys, needs_mask, block,
+                                       tile.query, num_kv_heads, tokens)
+                lse_HQ = torch.logsumexp(s_HQK, dim=-1)   # finite: every query reads at least itself
+                o_HQD = torch.bmm(s_HQK.sub_(lse_HQ[..., None]).exp_(), v_RHD.index_select(0, rows_K).permute(1, 0, 2))
+                o_RHD.index_copy_(0, rows_T, _tokens_first(o_HQD, tokens))
+                lse_RH.index_copy_(0, rows_T, _tokens_first(lse_HQ[..., None], tokens)[..., 0])
+                continue
             # Online softmax over key chunks; a row whose chunk is fully masked has
             # max -inf, so the shift uses 0 there to keep exp() free of NaN.
             max_HQ = qs_HQD.new_full(qs_HQD.shape[:2], float("-inf"))
