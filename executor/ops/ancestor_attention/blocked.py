@@ -194,15 +194,19 @@ def _forward(q_RHD, k_RHD, v_RHD, views, block_tokens, scale):
             rows_T = block.query_rows[tile.query]
             tokens = rows_T.numel()
             qs_HQD = _heads_first(q_RHD.index_select(0, rows_T), num_kv_heads) * scale
-            if len(tile.keys) == 1:   # every multi-view tile, and short views: a plain softmax
+            if len(tile.keys) == 1:
+                # Every multi-view tile, and short views: the online softmax below for one chunk, without
+                # its rescaling (the same operations on the same values, so the same bits).
                 (keys, needs_mask), = tile.keys
                 rows_K = block.key_rows[keys]
                 s_HQK = _masked_scores(qs_HQD, k_RHD.index_select(0, rows_K), keys, needs_mask, block,
                                        tile.query, num_kv_heads, tokens)
-                lse_HQ = torch.logsumexp(s_HQK, dim=-1)   # finite: every query reads at least itself
-                o_HQD = torch.bmm(s_HQK.sub_(lse_HQ[..., None]).exp_(), v_RHD.index_select(0, rows_K).permute(1, 0, 2))
+                max_HQ = s_HQK.amax(dim=-1)   # finite: every query reads at least itself
+                p_HQK = s_HQK.sub_(max_HQ[..., None]).exp_()
+                sum_HQ = p_HQK.sum(dim=-1)
+                o_HQD = torch.bmm(p_HQK, v_RHD.index_select(0, rows_K).permute(1, 0, 2)).div_(sum_HQ[..., None])
                 o_RHD.index_copy_(0, rows_T, _tokens_first(o_HQD, tokens))
-                lse_RH.index_copy_(0, rows_T, _tokens_first(lse_HQ[..., None], tokens)[..., 0])
+                lse_RH.index_copy_(0, rows_T, _tokens_first(max_HQ.add_(sum_HQ.log_())[..., None], tokens)[..., 0])
                 continue
             # Online softmax over key chunks; a row whose chunk is fully masked has
             # max -inf, so the shift uses 0 there to keep exp() free of NaN.
