@@ -212,12 +212,11 @@ class _ChunkRecurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, state_SHKV, u_MHBV, w_MHBK, kdecay_MHBK, chunk_decay_MHK1, layout):
         # [M * H, ...] batches (`_batched`): bmm reads transposed operands in place, where a 4-D matmul copies.
-        num_slots, num_heads, _, key_dim = w_MHBK.shape
-        kdecay_t = _batched(kdecay_MHBK).transpose(1, 2)
-        transition_MHKK = torch.bmm(kdecay_t, _batched(w_MHBK)).neg_().view(num_slots, num_heads, key_dim, key_dim)
-        transition_MHKK.diagonal(dim1=-2, dim2=-1).add_(chunk_decay_MHK1[..., 0])   # + diag(decay)
-        inflow_MHKV = torch.bmm(kdecay_t, _batched(u_MHBV)).view(num_slots, num_heads, key_dim, u_MHBV.shape[-1])
-        num_states, state_SHKV = state_SHKV.shape[0], state_SHKV.contiguous()
+        state_SHKV, u_MHBV, w_MHBK, kdecay_MHBK = (x.contiguous() for x in (state_SHKV, u_MHBV, w_MHBK, kdecay_MHBK))
+        transition_MHKK = _transition(kdecay_MHBK, w_MHBK, chunk_decay_MHK1)
+        inflow_MHKV = torch.bmm(_batched(kdecay_MHBK).transpose(1, 2), _batched(u_MHBV)).view(
+            *transition_MHKK.shape[:-1], u_MHBV.shape[-1])
+        num_states = state_SHKV.shape[0]
         start_states, export_pieces = [], []
         for c, (transition, inflow) in enumerate(zip(transition_MHKK.split(layout.step_count),
                                                      inflow_MHKV.split(layout.step_count))):
@@ -230,14 +229,16 @@ class _ChunkRecurrence(torch.autograd.Function):
         new_values_MHBV = torch.baddbmm(_batched(u_MHBV), _batched(w_MHBK), _batched(starts_MHKV),
                                         alpha=-1).view(u_MHBV.shape)
         exports = torch.cat(export_pieces) if export_pieces else state_SHKV.new_zeros(0, *state_SHKV.shape[1:])
-        ctx.save_for_backward(starts_MHKV, transition_MHKK, u_MHBV, w_MHBK, kdecay_MHBK)
+        # The transitions are rebuilt in backward (one bmm): kept, they would add a state-sized tensor per slot.
+        ctx.save_for_backward(starts_MHKV, u_MHBV, w_MHBK, kdecay_MHBK, chunk_decay_MHK1)
         ctx.layout, ctx.num_states, ctx.scalar_gate = layout, num_states, chunk_decay_MHK1.shape[-2] == 1
         return starts_MHKV, new_values_MHBV, exports
 
     @staticmethod
     @once_differentiable
     def backward(ctx, d_starts_MHKV, d_new_values_MHBV, d_exports):
-        starts_MHKV, transition_MHKK, u_MHBV, w_MHBK, kdecay_MHBK = ctx.saved_tensors
+        starts_MHKV, u_MHBV, w_MHBK, kdecay_MHBK, chunk_decay_MHK1 = ctx.saved_tensors
+        transition_MHKK = _transition(kdecay_MHBK, w_MHBK, chunk_decay_MHK1)
         layout, counts = ctx.layout, ctx.layout.step_count
         # Contiguous, as `_batched` views need (an incoming gradient may be any layout).
         d_starts_MHKV = torch.zeros_like(starts_MHKV) if d_starts_MHKV is None else d_starts_MHKV.contiguous()
@@ -277,6 +278,15 @@ class _ChunkRecurrence(torch.autograd.Function):
         if ctx.scalar_gate:   # one decay per head: it enters every diagonal entry
             d_decay = d_decay.sum(dim=-2, keepdim=True)
         return d_state_SHKV, d_u_MHBV, d_w_MHBK, d_kdecay_MHBK, d_decay, None
+
+
+def _transition(kdecay_MHBK: torch.Tensor, w_MHBK: torch.Tensor, chunk_decay_MHK1: torch.Tensor) -> torch.Tensor:
+    """A = diag(decay) - kdecay^T w of every chunk slot: [M, H, K, K]."""
+    num_slots, num_heads, _, key_dim = w_MHBK.shape
+    transition_MHKK = torch.bmm(_batched(kdecay_MHBK).transpose(1, 2), _batched(w_MHBK)).neg_().view(
+        num_slots, num_heads, key_dim, key_dim)
+    transition_MHKK.diagonal(dim1=-2, dim2=-1).add_(chunk_decay_MHK1[..., 0])   # a scalar gate broadcasts over K
+    return transition_MHKK
 
 
 def _batched(x_nH__: torch.Tensor) -> torch.Tensor:
