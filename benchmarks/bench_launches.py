@@ -75,10 +75,9 @@ def count_launches(events) -> collections.Counter:
     for event in events:
         if not event.name.startswith("aten::") or event.name in NOT_LAUNCHES:
             continue
-        parent = event.cpu_parent
-        if parent is not None and parent.name.startswith("aten::") and parent.name not in NOT_LAUNCHES:
-            continue   # inside another launching operator: counted there
-        component, scope = None, event
+        if _inside_launching_operator(event):
+            continue   # counted there
+        component, scope = None, event.cpu_parent
         while scope is not None:
             if "autograd::engine" in scope.name or "Backward" in scope.name:
                 component = "backward (all)"
@@ -88,6 +87,15 @@ def count_launches(events) -> collections.Counter:
             scope = scope.cpu_parent
         counts[component or "other forward"] += 1
     return counts
+
+
+def _inside_launching_operator(event) -> bool:
+    scope = event.cpu_parent
+    while scope is not None:
+        if scope.name.startswith("aten::") and scope.name not in NOT_LAUNCHES:
+            return True
+        scope = scope.cpu_parent
+    return False
 
 
 def main() -> None:
