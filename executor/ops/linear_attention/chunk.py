@@ -24,8 +24,9 @@ The function (per value head; `naive.py` is the executable specification):
 This is the core of transformers' `chunk_kimi_delta_attention` (KDA,
 models/kimi_linear) and `torch_chunk_gated_delta_rule` (Qwen3-Next), called
 with the same tensors (tests/test_op_linear_attention.py checks both), and, by
-our reading of its source, of fla's chunk_kda / chunk_gated_delta_rule (not run
-here: fla needs CUDA). Conventions:
+our reading of its source, of fla's chunk_kda / chunk_gated_delta_rule (fla's
+chunk_kda matched this op on an H200 to TF32 and bfloat16 precision,
+docs/gpu-runs.md; fla needs CUDA, so no test runs it). Conventions:
 * scale: None means K ** -0.5, the only value the fallbacks use; it multiplies
   q after the l2 norm.
 * use_qk_l2norm_in_kernel: l2norm(x) = x / sqrt(sum(x^2) + 1e-6) over K, in the
