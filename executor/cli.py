@@ -204,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         backend = model_backend(device, plan, model)   # now knowing the family's gate (a defect may rule fla out)
         if primary and backend == "fla":
             print("harts run: linear attention runs fla's Triton kernels, which compile and autotune on first use "
-                  "(minutes on a fresh machine; HARTS_LINEAR_ATTENTION=torch runs our torch op instead)",
-                  file=sys.stderr)
+                  "(about 4 minutes per dtype on a bare H200; Triton's disk cache serves later runs; "
+                  "HARTS_LINEAR_ATTENTION=torch runs our torch op instead)", file=sys.stderr)
         result = run_step(plan, model, mode=mode, loss=loss, backward=not args.forward_only,
                           recompute=args.recompute, microbatches=selected, windows=not args.no_windows,
                           progress=terminal_progress if primary else None, logprobs=args.logprobs)
