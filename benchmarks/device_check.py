@@ -42,7 +42,8 @@ scalar gate. Triton keeps the results on disk, so a later process on the same
 machine starts fast; a lent machine starts bare. `--fla-autotune-configs 1`
 keeps one configuration per kernel (fla's smallest tile, so fla's timings are
 then understated), and `benchmarks/device_run.sh` runs a session's checks as
-parallel processes (one per gate for fla, one with `--no-fla` for the rest):
+parallel processes (fla as a user runs it, fla in true float32 with the whole
+model, and two with `--no-fla` for the rest):
 
     bash benchmarks/device_run.sh 420       # logs in $OUT; ~470 s of device time
 
@@ -230,8 +231,9 @@ def fidelity_check(device, args) -> list[str]:
             torch.cuda.synchronize()
             say(f"{family:<11} {'(HF per trajectory)':<26} {'':>15} {'':>15}  "
                 f"{time.perf_counter() - started:.2f} s incl. first calls")
-            runs = [(f"compact, {b}", plans["compact"], b) for b in backends()]
-            runs.append((f"L1+L2 windows, {backends()[0]}", plans["windows"], backends()[0]))
+            label = {"fla": "auto (fla)", "torch": "torch"}   # auto: layers fla refuses run the torch op
+            runs = [(f"compact, {label[b]}", plans["compact"], b) for b in backends()]
+            runs.append((f"L1+L2 windows, {label[backends()[0]]}", plans["windows"], backends()[0]))
             for label, plan, backend in runs:
                 # "auto", not "fla": where fla has a known defect for a gate (backend.fla_scalar_gate_defect)
                 # those layers run the torch op, as in a user's run.
