@@ -329,6 +329,25 @@ def test_naive_matches_transformers_recurrent_fallback(gate):
     assert rel_err(final, final_hf) < 1e-6
 
 
+@pytest.mark.parametrize("gate", GATES)
+def test_float32_stays_close_to_float64_over_many_chunks(gate):
+    """The chunk recurrence in float32 (the models' compute dtype) against the same op in float64
+    (which is the naive recurrence to 1e-10, above): slow decays carry the state through up to 11
+    chunk steps, so rounding that built up along the chain would show in every output and gradient."""
+    lengths, chunk = [700, 300, 129, 64], 64
+    inputs64 = make_round(lengths, gate, key_dim=32, value_dim=32)
+    with torch.no_grad():
+        inputs64["g"].mul_(0.03)   # per-token decays of 0.955 and slower: state crosses chunks
+    inputs32 = {n: (x.detach().float().requires_grad_() if x.is_floating_point() else x) for n, x in inputs64.items()}
+    export_seq, export_chunk = some_exports(lengths, chunk)
+    results = {}
+    for name, inputs in (("f32", inputs32), ("f64", inputs64)):
+        o, ex = run(chunk_linear_attention, inputs, export_seq, export_chunk, chunk)
+        results[name] = [o, ex, *grads_of([o, ex], [inputs[n] for n in LEAVES])]
+    for name, got, want in zip(["o", "exports", *LEAVES], results["f32"], results["f64"]):
+        assert rel_err(got, want) < 5e-6, name   # measured 2e-7 to 5e-7
+
+
 # Dtypes and input validation.
 
 
