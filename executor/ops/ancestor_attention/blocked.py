@@ -194,35 +194,26 @@ def _forward(q_RHD, k_RHD, v_RHD, views, block_tokens, scale):
             rows_T = block.query_rows[tile.query]
             tokens = rows_T.numel()
             qs_HQD = _heads_first(q_RHD.index_select(0, rows_T), num_kv_heads) * scale
-            if len(tile.keys) == 1:
-                # Every multi-view tile, and short views: the online softmax below for one chunk, without
-                # its rescaling (the same operations on the same values, so the same bits).
-                (keys, needs_mask), = tile.keys
+            # Online softmax over key chunks. The first chunk holds key position 0 of every query's view
+            # (a single view's chunks start at 0; a multi-view tile has one chunk), which every query
+            # reads: its max is finite, so it starts the running max, sum and accumulator with nothing
+            # to rescale, and no later max can be -inf. A one-chunk tile (every multi-view tile, every
+            # short view) is then a plain softmax.
+            for index, (keys, needs_mask) in enumerate(tile.keys):
                 rows_K = block.key_rows[keys]
                 s_HQK = _masked_scores(qs_HQD, k_RHD.index_select(0, rows_K), keys, needs_mask, block,
                                        tile.query, num_kv_heads, tokens)
-                max_HQ = s_HQK.amax(dim=-1)   # finite: every query reads at least itself
-                p_HQK = s_HQK.sub_(max_HQ[..., None]).exp_()
-                sum_HQ = p_HQK.sum(dim=-1)
-                o_HQD = torch.bmm(p_HQK, v_RHD.index_select(0, rows_K).permute(1, 0, 2)).div_(sum_HQ[..., None])
-                o_RHD.index_copy_(0, rows_T, _tokens_first(o_HQD, tokens))
-                lse_RH.index_copy_(0, rows_T, _tokens_first(max_HQ.add_(sum_HQ.log_())[..., None], tokens)[..., 0])
-                continue
-            # Online softmax over key chunks; a row whose chunk is fully masked has
-            # max -inf, so the shift uses 0 there to keep exp() free of NaN.
-            max_HQ = qs_HQD.new_full(qs_HQD.shape[:2], float("-inf"))
-            sum_HQ = qs_HQD.new_zeros(qs_HQD.shape[:2])
-            acc_HQD = qs_HQD.new_zeros(num_kv_heads, qs_HQD.shape[1], value_dim)
-            for keys, needs_mask in tile.keys:
-                rows_K = block.key_rows[keys]
-                s_HQK = _masked_scores(qs_HQD, k_RHD.index_select(0, rows_K), keys, needs_mask, block,
-                                       tile.query, num_kv_heads, tokens)
-                new_max_HQ = torch.maximum(max_HQ, s_HQK.amax(dim=-1))
-                shift_HQ = torch.where(torch.isinf(new_max_HQ), torch.zeros_like(new_max_HQ), new_max_HQ)
-                p_HQK = s_HQK.sub_(shift_HQ[..., None]).exp_()
-                rescale_HQ = torch.exp(max_HQ - shift_HQ)
-                sum_HQ = sum_HQ * rescale_HQ + p_HQK.sum(dim=-1)
                 v_HKD = v_RHD.index_select(0, rows_K).permute(1, 0, 2)
+                if index == 0:
+                    max_HQ = s_HQK.amax(dim=-1)
+                    p_HQK = s_HQK.sub_(max_HQ[..., None]).exp_()
+                    sum_HQ = p_HQK.sum(dim=-1)
+                    acc_HQD = torch.bmm(p_HQK, v_HKD)
+                    continue
+                new_max_HQ = torch.maximum(max_HQ, s_HQK.amax(dim=-1))
+                p_HQK = s_HQK.sub_(new_max_HQ[..., None]).exp_()   # a fully masked row: exp(-inf) = 0
+                rescale_HQ = torch.exp(max_HQ - new_max_HQ)
+                sum_HQ = sum_HQ * rescale_HQ + p_HQK.sum(dim=-1)
                 acc_HQD = torch.baddbmm(acc_HQD * rescale_HQ[..., None], p_HQK, v_HKD)
                 max_HQ = new_max_HQ
             # Every query reads at least itself, so sum_HQ > 0 here.
