@@ -36,7 +36,7 @@ NOT_LAUNCHES = frozenset(f"aten::{name}" for name in (
     "squeeze", "_unsafe_view", "resolve_conj", "resolve_neg", "alias", "detach", "t", "split", "split_with_sizes",
     "unbind", "chunk", "flatten", "view_as", "expand_as", "result_type", "empty", "empty_strided", "empty_like",
     "contiguous", "to", "_to_copy", "lift_fresh", "matmul", "linear", "numpy_T", "is_nonzero", "item",
-    "_local_scalar_dense", "size", "stride", "dim"))
+    "_local_scalar_dense", "size", "stride", "dim", "sum_to_size"))
 COMPONENTS = {"kimi_linear.KimiLinearRunner": ("kda", "mla", "moe"), "runner.RowRunner": ("linear_rounds",)}
 
 

@@ -232,7 +232,7 @@ class _ChunkRecurrence(torch.autograd.Function):
         exports = torch.cat(export_pieces) if export_pieces else state_SHKV.new_zeros(0, *state_SHKV.shape[1:])
         # The transitions are rebuilt in backward (one bmm): kept, they would add a state-sized tensor per slot.
         ctx.save_for_backward(starts_MHKV, u_MHBV, w_MHBK, kdecay_MHBK, chunk_decay_MHK1)
-        ctx.layout, ctx.num_states, ctx.scalar_gate = layout, num_states, chunk_decay_MHK1.shape[-2] == 1
+        ctx.layout, ctx.num_states = layout, num_states
         return starts_MHKV, new_values_MHBV, exports
 
     @staticmethod
@@ -275,10 +275,9 @@ class _ChunkRecurrence(torch.autograd.Function):
                                  kdecay, d_transition).neg_().view(w_MHBK.shape)
         d_kdecay_MHBK = torch.baddbmm(torch.bmm(u, d_end.transpose(1, 2)), w, d_transition.transpose(1, 2),
                                       alpha=-1).view(kdecay_MHBK.shape)
-        d_decay = d_transition.diagonal(dim1=-2, dim2=-1).view(*transition_MHKK.shape[:-1], 1)   # [M, H, K, 1]
-        if ctx.scalar_gate:   # one decay per head: it enters every diagonal entry
-            d_decay = d_decay.sum(dim=-2, keepdim=True)
-        return d_state_SHKV, d_u_MHBV, d_w_MHBK, d_kdecay_MHBK, d_decay, None
+        # diag(dA), summed over K where one decay per head entered every diagonal entry (scalar gate).
+        d_decay = d_transition.diagonal(dim1=-2, dim2=-1).view(*transition_MHKK.shape[:-1], 1)   # no copy
+        return d_state_SHKV, d_u_MHBV, d_w_MHBK, d_kdecay_MHBK, d_decay.sum_to_size(chunk_decay_MHK1.shape), None
 
 
 def _transition(kdecay_MHBK: torch.Tensor, w_MHBK: torch.Tensor, chunk_decay_MHK1: torch.Tensor) -> torch.Tensor:
