@@ -513,7 +513,7 @@ def test_backend_selection_keeps_scalar_gates_off_a_defective_fla(monkeypatch):
     cuda = torch.device("cuda")   # a device object only: select_backend reads its type
     monkeypatch.setattr(backend, "fla_import_error", lambda: None)
     monkeypatch.setattr(backend, "fla_scalar_gate_defect", lambda: "fla refuses scalar-gate backward here (fla #640)")
-    backend._warn_fla_scalar_gate.cache_clear()
+    backend._warn_once.cache_clear()
     assert backend.select_backend(cuda, 64, scalar_gate=False) == "fla"     # KDA's per-channel path is unaffected
     with pytest.warns(UserWarning, match="scalar-gate layers run on the torch op"):
         assert backend.select_backend(cuda, 64, scalar_gate=True) == "torch"
@@ -521,7 +521,7 @@ def test_backend_selection_keeps_scalar_gates_off_a_defective_fla(monkeypatch):
         backend.select_backend(cuda, 64, "fla", scalar_gate=True)
     monkeypatch.setattr(backend, "fla_scalar_gate_defect", lambda: None)
     assert backend.select_backend(cuda, 64, scalar_gate=True) == "fla"
-    backend._warn_fla_scalar_gate.cache_clear()
+    backend._warn_once.cache_clear()
 
 
 def test_harts_run_picks_the_backend_from_the_model_familys_gate(monkeypatch):
@@ -538,7 +538,7 @@ def test_harts_run_picks_the_backend_from_the_model_familys_gate(monkeypatch):
     cuda = torch.device("cuda")   # a device object only
     monkeypatch.setattr(backend, "fla_import_error", lambda: None)
     monkeypatch.setattr(backend, "fla_scalar_gate_defect", lambda: "fla refuses scalar-gate backward here (fla #640)")
-    backend._warn_fla_scalar_gate.cache_clear()
+    backend._warn_once.cache_clear()
     assert model_backend(cuda, Plan, tiny_kimi_linear()) == "fla"
     qwen = tiny_qwen3_next()
     with pytest.warns(UserWarning, match="scalar-gate layers run on the torch op"):
@@ -546,4 +546,4 @@ def test_harts_run_picks_the_backend_from_the_model_familys_gate(monkeypatch):
     monkeypatch.setenv("HARTS_LINEAR_ATTENTION", "fla")
     with pytest.raises(ValueError, match="upgrade Triton to >= 3.7.1"):
         model_backend(cuda, Plan, qwen)
-    backend._warn_fla_scalar_gate.cache_clear()
+    backend._warn_once.cache_clear()

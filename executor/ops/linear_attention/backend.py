@@ -55,15 +55,9 @@ def fla_scalar_gate_defect() -> str | None:
 
 
 @functools.cache
-def _warn_fla_scalar_gate(reason: str) -> None:
-    warnings.warn(f"{reason}; scalar-gate layers run on the torch op (upgrade Triton to >= 3.7.1 for fla). "
-                  "Set HARTS_LINEAR_ATTENTION=torch to silence this.", stacklevel=3)
-
-
-@functools.cache
-def _warn_broken_fla(reason: str) -> None:
-    warnings.warn(f"flash-linear-attention is installed but cannot be imported ({reason}); linear attention "
-                  "runs on the slower torch op. Set HARTS_LINEAR_ATTENTION=torch to silence this.", stacklevel=3)
+def _warn_once(message: str) -> None:
+    """Warn once per process (select_backend runs for every round), at select_backend's caller."""
+    warnings.warn(message, stacklevel=3)
 
 
 def select_backend(device: torch.device, chunk_size: int, requested: str | None = None,
@@ -85,13 +79,16 @@ def select_backend(device: torch.device, chunk_size: int, requested: str | None 
                          + (f", import failed: {reason}" if reason else "") + "); fix: install the "
                          "'cuda' extra on a GPU machine, or set HARTS_LINEAR_ATTENTION=torch")
     if reason is not None and not reason.startswith("ModuleNotFoundError"):
-        _warn_broken_fla(reason)   # a broken install must not pass silently for the torch op
+        # A broken install must not pass silently for the torch op.
+        _warn_once(f"flash-linear-attention is installed but cannot be imported ({reason}); linear attention "
+                   "runs on the slower torch op. Set HARTS_LINEAR_ATTENTION=torch to silence this.")
     defect = fla_scalar_gate_defect() if fits and scalar_gate else None
     if defect is not None:
         if requested == "fla":
             raise UsageError(f"{defect}; fix: upgrade Triton to >= 3.7.1, or set HARTS_LINEAR_ATTENTION=auto "
                              "(scalar-gate layers then run the torch op) or torch")
-        _warn_fla_scalar_gate(defect)
+        _warn_once(f"{defect}; scalar-gate layers run on the torch op (upgrade Triton to >= 3.7.1 for fla). "
+                   "Set HARTS_LINEAR_ATTENTION=torch to silence this.")
         return "torch"
     return "fla" if fits else "torch"
 
