@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         check_outputs(args.plan, args.model, [p for p in (args.logprobs_out, args.grads_out) if p])
         plan = read_plan(args.plan)
         device = model_device(args.device)
-        backend = select_backend(device, int(plan.flags["chunk_size"]))   # HARTS_LINEAR_ATTENTION checked here
+        # HARTS_LINEAR_ATTENTION checked before the model loads; the backend itself is known after.
+        select_backend(device, int(plan.flags["chunk_size"]))
         model = load_model(args.model, args.dtype)
         selected = None
         if distributed.launched_by_torchrun():
