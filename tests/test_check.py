@@ -13,7 +13,7 @@ import pytest
 from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.schema.errors import VerificationError
-from harts.tools.check import check_plan
+from harts.schema.plan_invariants import check_plan
 
 B = 4
 LISTS = [
@@ -128,6 +128,19 @@ def break_member_range(plan, mb):
     mb["member_trajectory"][0] = plan.step["num_trajectories"]
 
 
+def break_own_start_early(plan, mb):
+    # A member claims a row an earlier member created: the row would be queried twice.
+    j = int(np.flatnonzero(mb["member_own_start"] > 0)[0])
+    mb["member_own_start"][j] -= 1
+
+
+def break_own_start_late(plan, mb):
+    # The last member gives up its first own row: nobody queries that row.
+    lengths = np.diff(plan.step["token_offsets"])[mb["member_trajectory"]]
+    j = int(np.flatnonzero(mb["member_own_start"] < lengths)[-1])
+    mb["member_own_start"][j] += 1
+
+
 def break_token_offsets(plan, mb):
     plan.step["token_offsets"] = plan.step["token_offsets"][:-2]
 
@@ -150,6 +163,9 @@ CASES = {
     # Damage that used to crash the checker with an IndexError: it reports instead.
     "member-range": (break_member_range, "members are trajectories of the step"),
     "token-offsets": (break_token_offsets, "token_offsets has one entry per trajectory"),
+    # Damage `harts run` used to meet as a traceback in its attention views (found by fuzzing).
+    "own-start-early": (break_own_start_early, "each row is created by exactly one member"),
+    "own-start-late": (break_own_start_late, "each row is created by exactly one member"),
 }
 
 

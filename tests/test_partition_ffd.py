@@ -26,7 +26,7 @@ from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.compiler.prefix_cost import PrefixCostModel
 from harts.schema.errors import PassFailedError
 from harts.schema.plan import encode_plan, read_plan
-from harts.tools.check import check_plan
+from harts.schema.plan_invariants import check_plan
 
 from prefix_inputs import lengths_and_lcp, token_batches, trie_nodes
 

@@ -14,7 +14,7 @@ from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.schema.errors import PassFailedError
 from harts.schema.plan import encode_plan, read_plan, write_plan
 from harts.schema.summary import plan_statistics
-from harts.tools.check import check_plan
+from harts.schema.plan_invariants import check_plan
 
 from prefix_inputs import forests, unless_dp_refused
 

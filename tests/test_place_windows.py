@@ -27,7 +27,7 @@ from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.schema.errors import PassFailedError, VerificationError
 from harts.schema.plan import encode_plan, read_plan, write_plan
 from harts.schema.summary import cost_work, plan_statistics
-from harts.tools.check import check_plan
+from harts.schema.plan_invariants import check_plan
 
 from prefix_inputs import forests, lengths_and_lcp, unless_dp_refused
 
@@ -494,6 +494,10 @@ def _mutable(plan):
     ("anchor off the grid", "starts at its chunk-aligned anchor"),
     ("producer state dropped", "only a sequence at position 0 starts from zero"),
     ("producer state at the wrong row", "a producer state is taken after the cached row above the anchor"),
+    # A producer's own member paths (its attention views) are checked like a consumer's.
+    ("producer prefix run cut", "every semantic position maps to one row"),
+    ("producer prefix token", "a position's row has its token"),
+    ("producer prefix own start", "each row is created by exactly one member"),
 ], ids=lambda v: v.replace(" ", "-") if isinstance(v, str) else v)
 def test_check_names_each_broken_window_invariant(windowed, breakage, invariant):
     batch, result = windowed
@@ -518,6 +522,15 @@ def test_check_names_each_broken_window_invariant(windowed, breakage, invariant)
     elif breakage == "windows start late":
         for other in plan.microbatches:
             other["window"] += 1
+    elif breakage.startswith("producer prefix"):
+        producer = plan.producers[0]
+        if breakage == "producer prefix run cut":
+            producer["run_length"][0] -= 1
+        elif breakage == "producer prefix token":
+            producer["row_token"][-1] += 100
+        else:
+            j = int(np.flatnonzero(producer["member_own_start"] > 0)[0])
+            producer["member_own_start"][j] -= 1
     else:
         external = int(np.flatnonzero(mb["residual_sequence_producer_state"] >= 0)[0])
         if breakage == "uncached row skipped":

@@ -14,7 +14,7 @@ import pytest
 from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.compiler.read_trees import read_trees
 from harts.tools import gen
-from harts.tools.check import check_plan
+from harts.schema.plan_invariants import check_plan
 
 pytestmark = pytest.mark.slow
 

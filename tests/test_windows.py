@@ -19,7 +19,7 @@ from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.executor.layout import build_layout
 from harts.executor.losses import LossConfig
 from harts.executor.runtime import run_step
-from harts.tools.check import check_plan
+from harts.schema.plan_invariants import check_plan
 
 from prefix_inputs import forests, unless_dp_refused
 
