@@ -1,4 +1,4 @@
-"""Every invariant of a plan, from the plan alone (`check_plan`; `harts check` is its command).
+"""Every invariant of a plan, from the plan alone (`check_plan`; `harts check` and `harts run` call it).
 
 This checker reads only the plan's arrays (and, with `--trees`, the input
 file); it shares no code with the compiler's passes, so it is an independent
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from harts.schema.errors import VerificationError
+from harts.schema.errors import PlanFormatError, VerificationError
 from harts.schema.plan import Plan
 
 
@@ -400,3 +400,12 @@ def check_residual(i: int, mb: dict, producer: dict | None, chunk_size: int) -> 
                 export_row[producer_state[has_producer]] != cached_by[above]):
             fail(i, "a producer state is taken after the cached row above the anchor", "export at the wrong row")
 
+
+def require_valid_plan(path: str, plan: Plan) -> None:
+    """`check_plan` for a tool about to use a plan read from `path`: a violation is one line naming the file
+    and the fix (a `PlanFormatError`), as for a plan that cannot be decoded."""
+    try:
+        check_plan(plan)
+    except VerificationError as err:
+        raise PlanFormatError(f"{path}: {err}; fix: recompile the plan with hartsc "
+                              f"(`harts check {path}` reports the same)") from None

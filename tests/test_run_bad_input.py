@@ -26,6 +26,7 @@ from harts.executor import runtime
 from harts.executor.losses import LossConfig
 from harts.executor.models import init_model as init_model_module
 from harts.schema.errors import OutputError
+from harts.schema.plan import read_plan, write_plan
 
 TREES = [
     {"id": "a", "tokens": [5, 6, 7, 8, 9, 10], "advantages": 0.5},
@@ -107,6 +108,32 @@ def test_a_model_file_as_output_is_refused(workspace, capsys, no_model_load):
     assert harts(run_argv(workspace, "--grads-out", str(target))) == 2
     assert "also an input" in one_line(capsys)
     assert target.read_bytes() == before
+
+
+def write_plan_breaking_an_invariant(workspace, tmp_path) -> Path:
+    """The workspace plan with one sequence moved one row on: structurally sound (it reads), semantically
+    broken (`harts check` rejects it). The executor would run it to wrong log-probabilities."""
+    plan = read_plan(workspace / "step.plan")
+    mb = plan.microbatches[0]
+    mb["sequence_row_start"] = mb["sequence_row_start"].copy()
+    mb["sequence_row_start"][-1] += 1
+    mb["sequence_num_rows"] = mb["sequence_num_rows"].copy()
+    mb["sequence_num_rows"][-1] -= 1
+    path = tmp_path / "broken.plan"
+    write_plan(plan, path)
+    return path
+
+
+def test_a_plan_breaking_an_invariant_is_refused_before_the_model_loads(workspace, tmp_path, capsys, no_model_load):
+    broken = write_plan_breaking_an_invariant(workspace, tmp_path)
+    assert harts(["run", str(broken), "--model", str(workspace / "model"),
+                  "--logprobs-out", str(tmp_path / "lp.npz")]) == 2
+    err = one_line(capsys)
+    assert str(broken) in err and "sequences tile the rows" in err
+    assert not (tmp_path / "lp.npz").exists()
+    # --no-check skips the verification: the model is then loaded (and the fixture refuses it).
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        harts(["run", str(broken), "--model", str(workspace / "model"), "--no-check"])
 
 
 @pytest.mark.parametrize("backend, message", [

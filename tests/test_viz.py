@@ -18,7 +18,7 @@ import pytest
 
 from harts.cli import main as harts_main
 from harts.compiler.cli import main as hartsc_main
-from harts.schema.plan import read_plan
+from harts.schema.plan import read_plan, write_plan
 from harts.tools import gen
 from harts.tools.viz import PLOT_IDS, render_report, slot_parts, tree_view
 
@@ -136,6 +136,20 @@ def test_tree_flag_picks_a_tree_and_rejects_unknown_ids(plans, tmp_path, capsys)
 def test_unreadable_plan_is_one_line(tmp_path, capsys):
     assert harts_main(["viz", str(tmp_path / "missing.plan"), "-o", str(tmp_path / "r.html")]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_plan_breaking_an_invariant_is_one_line(plans, tmp_path, capsys):
+    """A plan that reads but breaks an invariant is refused, not drawn from tables that index wrongly."""
+    plan = read_plan(plans["l2"])
+    mb = plan.microbatches[0]
+    mb["sequence_row_start"] = mb["sequence_row_start"].copy()
+    mb["sequence_row_start"][0] += 1   # the first sequence one row late: row 0 is computed by nobody
+    broken = tmp_path / "broken.plan"
+    write_plan(plan, broken)
+    assert harts_main(["viz", str(broken), "-o", str(tmp_path / "r.html")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sequences tile the rows" in err[0] and "fix:" in err[0], err
+    assert not (tmp_path / "r.html").exists()
 
 
 def test_windows_are_drawn_when_present(plans):

@@ -34,6 +34,7 @@ import numpy as np
 from harts.schema.errors import HartsError
 from harts.schema.atomic import atomic_write_bytes, check_output_path
 from harts.schema.plan import Plan, read_plan
+from harts.schema.plan_invariants import require_valid_plan
 from harts.schema.summary import plan_statistics
 from harts.tools.stats import read_planning_seconds
 from harts.tools.svg import (CHAR_PX, GRID, INK, MUTED, WIDTH, bar_chart, esc, fmt, legend, line,
@@ -330,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         # Before the plan is read: a bad -o (a folder, the plan itself) costs nothing.
         output = check_output_path(args.output, inputs=[args.plan])
         plan = read_plan(args.plan)
+        require_valid_plan(args.plan, plan)   # the plots index the plan's tables
         page = render_report(plan, Path(args.plan).name, args.tree, read_planning_seconds(args.plan))
         atomic_write_bytes(output, page.encode("utf-8"))
     except HartsError as err:
