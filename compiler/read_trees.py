@@ -452,8 +452,11 @@ def _parse_float_list(value, field: str, num_tokens: int, where: _Where,
                 raise where.error(field, f"{field}[{i}] is {_describe(x)}, expected a number",
                                   _FIX_FLOAT_LIST)
             if not _finite_float32(x):
-                raise where.error(field, f"{field}[{i}] = {_short(x)} is not a finite float32",
-                                  _FIX_FLOAT_LIST)
+                # `harts run` writes NaN at index 0 of its log-probabilities (nothing predicts the
+                # first token): say what to put there when such an array is passed back.
+                fix = (_FIX_FLOAT_LIST + " (index 0 is never a target: any finite number, e.g. 0.0)"
+                       if i == 0 else _FIX_FLOAT_LIST)
+                raise where.error(field, f"{field}[{i}] = {_short(x)} is not a finite float32", fix)
         raise AssertionError("float list rejected without a bad element")  # pragma: no cover
     return array
 

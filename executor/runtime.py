@@ -24,6 +24,7 @@ from harts.executor.ops.transfer import to_device
 from harts.executor.windows import WindowSchedule
 from harts.schema.errors import HartsError, UsageError
 from harts.schema.plan import Plan
+from harts.schema.runs import expand_runs
 
 
 @dataclass
@@ -64,11 +65,22 @@ def windows_runnable(plan: Plan) -> bool:
 
 
 def check_model_fits(plan: Plan, model) -> None:
+    """Every token of the plan is in the model's vocabulary; else one line naming a trajectory using the
+    largest such token, and the position."""
     vocab = int(model.config.vocab_size)
     largest = max((int(np.max(mb["row_token"])) for mb in plan.microbatches if len(mb["row_token"])), default=-1)
-    if largest >= vocab:
-        raise HartsError(f"plan has token id {largest} but the model's vocabulary has {vocab} entries; "
-                         "fix: compile with --vocab-size to catch this early, or use a model with a larger vocabulary")
+    if largest < vocab:
+        return
+    mb = next(mb for mb in plan.microbatches if len(mb["row_token"]) and int(np.max(mb["row_token"])) == largest)
+    row = int(np.flatnonzero(mb["row_token"] == largest)[0])
+    runs = mb["member_run_offsets"]
+    # Error path only: find a member whose path holds that row (the plan's own run tables).
+    member = next(j for j in range(len(mb["member_trajectory"]))
+                  if row in expand_runs(mb["run_row_start"][runs[j]:runs[j + 1]], mb["run_length"][runs[j]:runs[j + 1]]))
+    trajectory = plan.step["ids"][int(mb["member_trajectory"][member])]
+    raise HartsError(f"trajectory {trajectory!r}: token {largest} at position {int(mb['row_position'][row])} is "
+                     f"outside the model's vocabulary of {vocab} entries; fix: compile with --vocab-size to "
+                     "catch this early, or use a model with a larger vocabulary")
 
 
 def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = LossConfig(),

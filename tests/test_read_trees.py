@@ -132,6 +132,9 @@ BAD = [
         "has 4 entries"),
     Bad("old_logprobs_nan_literal", [tok(', "old_logprobs": [0, NaN, -1]')], 1, "old_logprobs",
         "old_logprobs[1] = nan"),
+    # harts run's log-probabilities hold NaN at index 0; passed back, the fix says what to write there.
+    Bad("old_logprobs_nan_at_index_0", [tok(', "old_logprobs": [NaN, -1, -2]')], 1, "old_logprobs",
+        "index 0 is never a target: any finite number"),
     Bad("old_logprobs_minus_infinity", [tok(', "old_logprobs": [0, -1, -Infinity]')], 1, "old_logprobs",
         "old_logprobs[2] = -inf"),
     Bad("ref_logprobs_null_element", [tok(', "ref_logprobs": [0, null, -1]')], 1, "ref_logprobs",
