@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import harts.api as api
+from harts.schema.errors import PlanFormatError
 
 TOKENS = [[1, 2, 3], [1, 2, 4]]
 
@@ -55,3 +56,16 @@ def test_torch_tensors_of_any_dtype_give_the_plan_of_lists():
                                    old_logprobs=[torch.tensor(v).bfloat16() for v in values])
     for key in ("old_logprobs", "advantages", "token_offsets"):
         np.testing.assert_array_equal(got.step[key], want.step[key], err_msg=key)
+
+
+def test_read_plan_refuses_a_plan_breaking_an_invariant_unless_told_not_to_check(tmp_path):
+    plan = api.compile_trajectories(TOKENS)
+    mb = plan.microbatches[0]
+    mb["member_own_start"] = mb["member_own_start"].copy()
+    mb["member_own_start"][1] -= 1      # the second member claims a row the first created
+    path = tmp_path / "broken.plan"
+    api.write_plan(plan, path)
+    with pytest.raises(PlanFormatError, match="each row is created by exactly one member") as info:
+        api.read_plan(path)
+    assert str(path) in str(info.value) and "fix:" in str(info.value)
+    assert api.read_plan(path, check=False).microbatches[0]["member_own_start"][1] == mb["member_own_start"][1]
