@@ -35,12 +35,7 @@ import numpy as np
 
 from harts.schema.errors import PlanFormatError, VerificationError
 from harts.schema.plan import Plan
-
-
-def expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    if len(starts) == 0:
-        return np.zeros(0, dtype=np.int64)
-    return np.concatenate([np.arange(s, s + n) for s, n in zip(starts.tolist(), lengths.tolist())])
+from harts.schema.runs import expand_runs
 
 
 def fail(microbatch, invariant: str, detail: str):
@@ -61,8 +56,12 @@ def check_rows(i: int, mb: dict, capacity: int) -> None:
         fail(i, "parent row precedes its child in memory", f"row {int(np.flatnonzero(parent >= rows)[0])}")
     if np.any(position[roots] != 0) or np.any(position[~roots] != position[parent[~roots]] + 1):
         fail(i, "row position is its parent's plus one", "positions do not follow parents")
-    key = parent * (1 << 32) + mb["row_token"].astype(np.int64)
-    if len(np.unique(key)) != C:
+    # Only siblings can collide: rows under a parent with two or more children, and roots. Sorting just
+    # those keys is what keeps this check cheap on long fork-free chains.
+    child_count = np.bincount(parent[~roots], minlength=C)
+    siblings = roots | (child_count[np.maximum(parent, 0)] >= 2)
+    key = np.sort(parent[siblings] * (1 << 32) + mb["row_token"][siblings].astype(np.int64))
+    if np.any(key[1:] == key[:-1]):
         fail(i, "identical prefixes share one row", "two rows have the same parent and token")
 
 
@@ -102,40 +101,84 @@ def check_producer_prefixes(label: str, producer: dict, step: dict, trees_tokens
 def check_member_paths(i, mb: dict, members: np.ndarray, lengths: np.ndarray, step: dict,
                        trees_tokens) -> np.ndarray:
     """Each member's runs map its positions 0..n-1 to a parent chain of rows with those positions (and, with
-    the trees, its tokens); no row is orphaned; and every row is created by exactly one member: member j
-    creates the rows of its positions from `member_own_start[j]` on, and its earlier positions lie on rows
-    that earlier members created (the query rows of the attention views). Returns each row's path count."""
+    the trees, its tokens); no row is orphaned; and every row is created by exactly one member, member j
+    creating the rows of its positions from `member_own_start[j]` on (the query rows of the attention
+    views). Returns each row's path count.
+
+    Checked per run, not per position (a paper-scale step's paths hold ~50M positions on ~5M rows): a
+    path is valid iff each run is a parent chain of rows, starts at the position where the member's
+    previous run ended, and hangs below that run's last row; the first run then starts at a root (`row
+    position is its parent's plus one`, checked before). Only the token comparison reads every position.
+    `read_plan` has bounded every run within the rows and every offset table."""
     C = len(mb["row_token"])
-    offsets = step["token_offsets"]
-    runs = mb["member_run_offsets"]
+    runs = np.asarray(mb["member_run_offsets"], dtype=np.int64)
     own_start = np.asarray(mb["member_own_start"], dtype=np.int64)
-    if len(runs) != len(members) + 1 or len(own_start) != len(members):
+    k = len(members)
+    if len(runs) != k + 1 or len(own_start) != k:
         fail(i, "each member has its run offsets and first own position",
-             f"{len(runs)} member_run_offsets, {len(own_start)} member_own_start for {len(members)} members")
-    coverage = np.zeros(C, dtype=np.int64)
-    creator = np.full(C, -1, dtype=np.int64)
-    for j, (traj, n) in enumerate(zip(members.tolist(), lengths.tolist())):
-        lo, hi = runs[j], runs[j + 1]
-        m = expand(mb["run_row_start"][lo:hi], mb["run_length"][lo:hi])
-        if len(m) != n or (n and (m.min() < 0 or m.max() >= C)):
-            fail(i, "every semantic position maps to one row", f"trajectory {traj} maps {len(m)} of {n} positions")
-        if np.any(mb["row_position"][m] != np.arange(n)):
-            fail(i, "a position's row has its depth", f"trajectory {traj}")
-        if n > 1 and np.any(mb["row_parent"][m[1:]] != m[:-1]):
-            fail(i, "a trajectory's rows form a parent chain", f"trajectory {traj}")
-        if trees_tokens is not None and np.any(mb["row_token"][m] != trees_tokens[offsets[traj]:offsets[traj] + n]):
-            fail(i, "a position's row has its token", f"trajectory {traj}")
-        own = int(own_start[j])
-        if not 0 <= own <= n or np.any(creator[m[:own]] < 0) or np.any(creator[m[own:]] >= 0):
-            fail(i, "each row is created by exactly one member, at its first own position on",
-                 f"member {j} (trajectory {traj}) has member_own_start {own} of {n} positions")
-        creator[m[own:]] = j
-        coverage[m] += 1
+             f"{len(runs)} member_run_offsets, {len(own_start)} member_own_start for {k} members")
+    run_start = np.asarray(mb["run_row_start"], dtype=np.int64)   # runs run from 0 to their count
+    run_length = np.asarray(mb["run_length"], dtype=np.int64)
+    member_of_run = np.repeat(np.arange(k), np.diff(runs))
+
+    def trajectory_of_run(bad: np.ndarray) -> str:
+        return f"trajectory {int(members[member_of_run[np.flatnonzero(bad)[0]]])}"
+
+    bad = (run_length < 1) | (run_start < 0) | (run_start + run_length > C)
+    if np.any(bad):
+        fail(i, "every semantic position maps to one row", f"{trajectory_of_run(bad)} has an empty run or one "
+             "outside the rows")
+    run_end = np.concatenate(([0], np.cumsum(run_length)))
+    mapped = run_end[runs[1:]] - run_end[runs[:-1]]
+    if np.any(mapped != lengths):
+        j = int(np.flatnonzero(mapped != lengths)[0])
+        fail(i, "every semantic position maps to one row",
+             f"trajectory {int(members[j])} maps {int(mapped[j])} of {int(lengths[j])} positions")
+    run_position = run_end[:-1] - run_end[runs[:-1]][member_of_run]   # position of each run's first row
+
+    parent = np.asarray(mb["row_parent"], dtype=np.int64)
+    rows = np.arange(C)
+    # Rows r and r + 1 are linked when r + 1's parent is r; a run is a chain when all its links hold.
+    linked = np.concatenate(([0], np.cumsum(parent[1:] == rows[1:] - 1)))
+    last_row = run_start + run_length - 1
+    bad = linked[last_row] - linked[run_start] != run_length - 1
+    if np.any(bad):
+        fail(i, "a trajectory's rows form a parent chain", trajectory_of_run(bad))
+    bad = mb["row_position"][run_start] != run_position
+    if np.any(bad):
+        fail(i, "a position's row has its depth", trajectory_of_run(bad))
+    continues = run_position > 0     # not a member's first run: it hangs below the previous run's last row
+    bad = np.zeros(len(run_start), dtype=bool)
+    bad[continues] = parent[run_start[continues]] != last_row[np.flatnonzero(continues) - 1]
+    if np.any(bad):
+        fail(i, "a trajectory's rows form a parent chain", trajectory_of_run(bad))
+    if trees_tokens is not None:
+        path_row = expand_runs(run_start, run_length)
+        member_of = np.repeat(np.arange(k), lengths)
+        position = np.arange(len(path_row)) - run_end[runs[:-1]][member_of]
+        bad = mb["row_token"][path_row] != trees_tokens[step["token_offsets"][members][member_of] + position]
+        if np.any(bad):
+            fail(i, "a position's row has its token", f"trajectory {int(members[member_of[np.flatnonzero(bad)[0]]])}")
+
+    def rows_covered(first: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """How many of the row ranges [first, end) hold each row (a difference array)."""
+        keep = end > first
+        delta = np.bincount(first[keep], minlength=C + 1) - np.bincount(end[keep], minlength=C + 1)
+        return np.cumsum(delta[:C])
+
+    coverage = rows_covered(run_start, run_start + run_length)
     if np.any(coverage == 0):
         fail(i, "no orphan rows", f"row {int(np.flatnonzero(coverage == 0)[0])} belongs to no trajectory")
-    if np.any(creator < 0):
-        fail(i, "each row is created by exactly one member, at its first own position on",
-             f"row {int(np.flatnonzero(creator < 0)[0])} is created by no member")
+    invariant = "each row is created by exactly one member, at its first own position on"
+    if np.any((own_start < 0) | (own_start > lengths)):
+        j = int(np.flatnonzero((own_start < 0) | (own_start > lengths))[0])
+        fail(i, invariant, f"member {j} has member_own_start {int(own_start[j])} of {int(lengths[j])} positions")
+    # Member j creates the rows of its runs' positions from own_start[j] on.
+    skip = np.clip(own_start[member_of_run] - run_position, 0, run_length)
+    created = rows_covered(run_start + skip, run_start + run_length)
+    if np.any(created != 1):
+        row = int(np.flatnonzero(created != 1)[0])
+        fail(i, invariant, f"row {row} is created by {int(created[row])} members")
     return coverage
 
 
@@ -300,7 +343,7 @@ def check_windows(plan: Plan, dp: int, capacity: int, chunk_size: int, trees_tok
         target = cached_by[cached]
         if target.max() >= rows:
             fail(i, "a cached row points at a producer row", f"row index {int(target.max())} >= {rows}")
-        if len(np.unique(target)) != len(target):
+        if np.bincount(target, minlength=rows).max() > 1:
             fail(i, "cached rows map to distinct producer rows", "two rows share a producer row")
         if np.any(producer["row_token"][target] != mb["row_token"][cached]) or \
                 np.any(producer["row_position"][target] != mb["row_position"][cached]):
@@ -358,7 +401,7 @@ def check_residual(i: int, mb: dict, producer: dict | None, chunk_size: int) -> 
         fail(i, "a residual sequence replays part of its tokens", "replay count out of range")
     if len(tokens) and (tokens.min() < 0 or tokens.max() >= len(cached_by)):
         fail(i, "residual token rows are consumer rows", "row index out of range")
-    outputs = expand(offsets[:-1] + replay, lengths - replay)
+    outputs = expand_runs(offsets[:-1] + replay, lengths - replay)
     produced = np.bincount(tokens[outputs], minlength=len(cached_by))
     if np.any(produced != (cached_by < 0)):
         row = int(np.flatnonzero(produced != (cached_by < 0))[0])
