@@ -295,6 +295,45 @@ def check_plan(plan: Plan, trees_tokens: np.ndarray | None = None, trees_offsets
                                 f"trajectory {step['ids'][bad]!r} appears {int(seen[bad])} times")
     if plan.producers is not None:
         check_windows(plan, dp, capacity, chunk_size, trees_tokens)
+    vocab_size = flags.get("vocab_size")
+    if vocab_size is not None:
+        largest = max((int(r["row_token"].max()) for r in [*plan.microbatches, *(plan.producers or [])]
+                       if len(r["row_token"])), default=-1)
+        if largest >= int(vocab_size):
+            raise VerificationError("tokens lie in the vocabulary the plan was compiled for",
+                                    f"token {largest} >= vocab_size {vocab_size}")
+
+
+def check_step_matches(step: dict, ids, fields: dict) -> None:
+    """The plan's step is the input file's: the same trajectory ids in the same order (outputs are keyed by
+    them) and the same per-token RL fields, exactly (`fields`: loss_mask, advantages, old/ref_logprobs with
+    NaN where a trajectory gave none, has_old/has_ref_logprobs; None for an absent one)."""
+    planned = list(step["ids"])
+    if planned != list(ids):
+        k = next((k for k, (a, b) in enumerate(zip(planned, ids)) if a != b), min(len(planned), len(ids)))
+        raise VerificationError("plan matches --trees", f"trajectory {k} has id {planned[k] if k < len(planned) else None!r} "
+                                f"in the plan, {ids[k] if k < len(ids) else None!r} in the input file")
+    offsets = np.asarray(step["token_offsets"], dtype=np.int64)
+    for name, expected in fields.items():
+        got = step[name]
+        if got is None and expected is None:
+            continue
+        if got is None or expected is None or np.shape(got) != np.shape(expected):
+            raise VerificationError("plan matches --trees", f"{name} is {'absent' if got is None else 'present'} "
+                                    f"in the plan, {'absent' if expected is None else 'present'} in the input file")
+        got = np.asarray(got)
+        same = got == expected
+        if got.dtype.kind == "f":   # NaN marks a log-probability a trajectory did not give
+            same |= np.isnan(got) & np.isnan(expected)
+        differ = np.flatnonzero(~same)
+        if len(differ):
+            first = int(differ[0])
+            if len(got) == len(ids):   # one entry per trajectory (has_*_logprobs)
+                where = f"trajectory {planned[first]!r}"
+            else:
+                k = int(np.searchsorted(offsets, first, side="right") - 1)
+                where = f"trajectory {planned[k]!r} position {first - int(offsets[k])}"
+            raise VerificationError("plan matches --trees", f"{name} differs from the input file at {where}")
 
 
 def check_windows(plan: Plan, dp: int, capacity: int, chunk_size: int, trees_tokens=None) -> None:

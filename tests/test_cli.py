@@ -14,6 +14,7 @@ import pytest
 
 from harts.cli import main as harts_main
 from harts.compiler.cli import main as hartsc_main
+from harts.schema.plan import read_plan, write_plan
 from harts.schema.summary import STATS_KEYS
 
 TREES = [
@@ -93,6 +94,36 @@ def test_check_against_other_trees_fails(tmp_path, trees, capsys):
     other = write_trees(tmp_path / "other.jsonl", [dict(r, tokens=[t + 1 for t in r["tokens"]]) for r in TREES])
     assert harts_main(["check", str(plan), "--trees", str(other)]) == 1
     assert "has its token" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda r: [dict(r[0], id="b"), dict(r[1], id="a"), *r[2:]], "trajectory 0 has id 'a' in the plan, 'b' in the input"),
+    (lambda r: [dict(r[0], id="z"), *r[1:]], "has id 'a' in the plan, 'z'"),
+    (lambda r: [dict(r[0], advantages=0.5), *r[1:]], "advantages differs from the input file at trajectory 'a' position 0"),
+    (lambda r: [r[0], dict(r[1], loss_mask=[1] * 10), *r[2:]], "loss_mask differs from the input file at trajectory 'b' position 0"),
+    (lambda r: [dict(r[0], old_logprobs=[-1.0] * 9), *r[1:]], "old_logprobs is absent in the plan, present in the input file"),
+], ids=["ids-swapped", "id-renamed", "advantages", "loss-mask", "old-logprobs"])
+def test_check_trees_compares_ids_and_rl_fields_not_only_tokens(tmp_path, trees, capsys, edit, words):
+    """Same tokens, different ids or RL fields: outputs would be filed under the wrong ids, or the loss would
+    weigh what the file does not say (found by fuzzing: swapped ids passed `--trees`)."""
+    plan = tmp_path / "step.plan"
+    assert hartsc_main([str(trees), "-o", str(plan)]) == 0
+    assert harts_main(["check", str(plan), "--trees", str(trees)]) == 0
+    capsys.readouterr()
+    other = write_trees(tmp_path / "other.jsonl", edit(TREES))
+    assert harts_main(["check", str(plan), "--trees", str(other)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "plan matches --trees" in err and words in err, err
+
+
+def test_check_refuses_tokens_outside_the_compiled_vocabulary(tmp_path, trees, capsys):
+    plan_path = tmp_path / "step.plan"
+    assert hartsc_main([str(trees), "-o", str(plan_path), "--vocab-size", "32"]) == 0
+    plan = read_plan(plan_path)
+    plan.header["flags"]["vocab_size"] = 22      # token 22 (trajectory d) is now outside it
+    write_plan(plan, plan_path)
+    assert harts_main(["check", str(plan_path)]) == 1
+    assert "token 22 >= vocab_size 22" in capsys.readouterr().err
 
 
 def test_console_scripts_run_the_demo(tmp_path):

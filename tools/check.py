@@ -6,22 +6,27 @@ import sys
 
 from harts.schema.errors import HartsError
 from harts.schema.plan import read_plan
-from harts.schema.plan_invariants import check_plan
+from harts.schema.plan_invariants import check_plan, check_step_matches
+
+# The per-token and per-trajectory RL fields a plan's step copies from the input file.
+STEP_FIELDS = ("loss_mask", "advantages", "old_logprobs", "ref_logprobs", "has_old_logprobs", "has_ref_logprobs")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="harts check", description="Verify every invariant of a HARTS plan.")
     parser.add_argument("plan", help="plan file written by hartsc")
-    parser.add_argument("--trees", help="the trees.jsonl[.zst] the plan was compiled from: also check every token")
+    parser.add_argument("--trees", help="the trees.jsonl[.zst] the plan was compiled from: also check every token, "
+                                        "the ids and the RL fields (masks, advantages, log-probabilities)")
     args = parser.parse_args(argv)
     try:
         plan = read_plan(args.plan)
-        tokens = offsets = None
+        batch = None
         if args.trees:
             from harts.compiler.read_trees import read_trees
             batch = read_trees(args.trees)
-            tokens, offsets = batch.tokens, batch.token_offsets
-        check_plan(plan, tokens, offsets)
+        check_plan(plan, *((batch.tokens, batch.token_offsets) if batch else ()))
+        if batch:
+            check_step_matches(plan.step, batch.ids, {name: getattr(batch, name) for name in STEP_FIELDS})
     except HartsError as err:
         print(f"harts check: {err}", file=sys.stderr)
         return err.exit_code
