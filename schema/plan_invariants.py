@@ -7,6 +7,9 @@ witness that a plan is legal:
 * every trajectory is a member of exactly one microbatch; each of its
   positions maps to a row with the right depth, parent chain and (with
   `--trees`) token; multiplicities count the member paths; no row is orphaned;
+  every row is created by exactly one member (``member_own_start`` on: the
+  query rows of the attention views);
+* with ``vocab_size`` among the compile flags, every token lies below it;
 * sharing is complete and exact: no two rows have the same (parent, token);
 * every microbatch fits the capacity; the microbatches form a D x slots grid;
 * sequences tile the rows in memory order, round-major, each a parent chain;
@@ -18,7 +21,8 @@ witness that a plan is legal:
 * with L2 windows (plans that carry ``producers``): every microbatch names its
   window; windows are ranges of consecutive slots shared by all replicas; at
   most one producer per (replica, window), each passing the row, capacity,
-  sequence and segment checks above; every cached row (``row_cached_by``)
+  sequence and segment checks above and the member-path checks for its
+  prefixes (``prefix_trajectory``, ``prefix_length``); every cached row (``row_cached_by``)
   points into its own window's producer on its own replica, at a row with the
   same token and position whose parent is the producer row of the consumer
   row's parent; cached rows are prefix-closed (a cached row's parent is
@@ -28,6 +32,9 @@ witness that a plan is legal:
   from a chunk-aligned anchor, starting from zero at position 0, an earlier
   export of its own after the row above the anchor, or its producer's export
   after that (cached) row.
+
+`check_step_matches` adds, with the input file: the same trajectory ids in
+the same order and the same RL fields (masks, advantages, log-probabilities).
 """
 from __future__ import annotations
 
