@@ -75,10 +75,11 @@ def check_model_fits(plan: Plan, model) -> None:
     row = int(np.flatnonzero(mb["row_token"] == largest)[0])
     runs = mb["member_run_offsets"]
     # Error path only: find a member whose path holds that row (the plan's own run tables).
-    member = next(j for j in range(len(mb["member_trajectory"]))
-                  if row in expand_runs(mb["run_row_start"][runs[j]:runs[j + 1]], mb["run_length"][runs[j]:runs[j + 1]]))
-    trajectory = plan.step["ids"][int(mb["member_trajectory"][member])]
-    raise HartsError(f"trajectory {trajectory!r}: token {largest} at position {int(mb['row_position'][row])} is "
+    member = next((j for j in range(len(mb["member_trajectory"]))
+                   if row in expand_runs(mb["run_row_start"][runs[j]:runs[j + 1]], mb["run_length"][runs[j]:runs[j + 1]])),
+                  None)   # None only in a plan that breaks its invariants (harts run --no-check)
+    where = "" if member is None else f"trajectory {plan.step['ids'][int(mb['member_trajectory'][member])]!r}: "
+    raise HartsError(f"{where}token {largest} at position {int(mb['row_position'][row])} is "
                      f"outside the model's vocabulary of {vocab} entries; fix: compile with --vocab-size to "
                      "catch this early, or use a model with a larger vocabulary")
 
