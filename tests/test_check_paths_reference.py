@@ -132,3 +132,33 @@ def test_per_run_path_check_agrees_with_the_brute_force_on_damaged_plans(seed, w
             rejected += not verdict
     # Damage is caught (one changed entry breaks a path); producers' paths are exercised too.
     assert rejected > compared // 2 and producers > 0, (rejected, compared, producers)
+
+
+def hand_made_record(runs: list[list[tuple[int, int]]], own_start: list[int]) -> dict:
+    """Rows of a small forest (position, parent): 0 (0, -1), 1 (1, 0), 2 (2, 1), 3 (1, 0), 4 (2, 3), 5 (3, 2);
+    members are given as lists of (first row, length) runs."""
+    flat = [run for member in runs for run in member]
+    return {"row_token": np.array([1, 2, 3, 5, 6, 4]), "row_position": np.array([0, 1, 2, 1, 2, 3]),
+            "row_parent": np.array([-1, 0, 1, 0, 3, 2]),
+            "member_run_offsets": np.cumsum([0] + [len(member) for member in runs]),
+            "run_row_start": np.array([start for start, _ in flat]), "run_length": np.array([n for _, n in flat]),
+            "member_own_start": np.array(own_start)}
+
+
+@pytest.mark.parametrize("third_member, legal", [
+    ([(0, 1), (3, 2)], True),     # a duplicate of the second member: rows 0, 3, 4
+    ([(0, 2), (4, 1)], False),    # rows 0, 1, 4: row 4 has position 2 but does not hang below row 1
+    ([(1, 2), (5, 1)], False),    # rows 1, 2, 5: a chain, but starting at position 1, not at a root
+], ids=["duplicate", "continues-below-another-row", "starts-below-the-root"])
+def test_damage_only_the_path_structure_reveals(third_member, legal):
+    """Paths that keep every row covered and created once (what random damage rarely finds): the run-level
+    checks of continuation and of the first run's position must reject them, as the brute force does."""
+    record = hand_made_record([[(0, 3), (5, 1)], [(0, 1), (3, 2)], third_member], own_start=[0, 1, 3])
+    members, lengths = np.array([0, 1, 2]), np.array([4, 3, 3])
+    step = {"token_offsets": np.array([0, 4, 7, 10])}
+    assert brute_force_paths_hold(record, members, lengths, None, step["token_offsets"]) == legal
+    if legal:
+        check_member_paths("record", record, members, lengths, step, None)
+    else:
+        with pytest.raises(VerificationError):
+            check_member_paths("record", record, members, lengths, step, None)
