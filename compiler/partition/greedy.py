@@ -87,15 +87,87 @@ def _neighbour_lcp_reader(model: PrefixCostModel, dense: bool):
     level_of = lcp_min.floor_log2
     window_of_level = np.int64(1) << np.arange(lcp_min.min_LN.shape[0], dtype=np.int64)
 
-    def shared(x, neighbours):
-        x_col = x[:, None]
-        lo = np.stack(np.broadcast_arrays(neighbours[:, 0] + 1, x_col + 1)).astype(np.int64)
-        hi = np.stack(np.broadcast_arrays(x_col, neighbours[:, 1])).astype(np.int64)
-        span = hi - lo + 1
+    def range_min(lo, span):
         level = level_of[span]
         left = level * width + lo
-        return np.minimum(table_flat[left], table_flat[left + span - window_of_level[level]]).max(axis=0)
+        return np.minimum(table_flat[left], table_flat[left + span - window_of_level[level]])
+
+    def shared(x, neighbours):
+        # LCP(p, x) = min(lcp[p + 1 .. x]) and LCP(x, q) = min(lcp[x + 1 .. q]); plain broadcasting of x
+        # against the [P, K] neighbours (this runs once per insertion: numpy's per-call cost dominates).
+        x_col = x[:, None].astype(np.int64)
+        below, above = neighbours[:, 0].astype(np.int64), neighbours[:, 1].astype(np.int64)
+        return np.maximum(range_min(below + 1, x_col - below), range_min(x_col + 1, above - x_col))
     return shared
+
+
+class _NeighbourTable:
+    """Neighbours of every position in every microbatch, for insertion orders of any shape.
+
+    `table[p, 0, m, i]` is microbatch m's largest member < i (or -1) and
+    `table[p, 1, m, i]` its smallest member > i (or N). Reading column x gives
+    every microbatch's neighbours of x at once; an insertion rewrites, by two
+    contiguous slice assignments, only the positions between x and its new
+    neighbours. Memory: 2 x P x K x N int16 (int32 from N = 32,767 on).
+    """
+
+    def __init__(self, plans: int, n: int, slots: int):
+        self.n = n
+        self.index_type = np.int16 if n < np.iinfo(np.int16).max else np.int32  # must hold -1..N
+        self.plan_index = np.arange(plans)
+        self.table = self._empty(plans, slots)
+
+    def _empty(self, plans: int, slots: int) -> np.ndarray:
+        block = np.empty((plans, 2, slots, self.n), dtype=self.index_type)
+        block[:, 0] = -1
+        block[:, 1] = self.n
+        return block
+
+    def near(self, x: np.ndarray) -> np.ndarray:
+        return self.table[self.plan_index, :, :, x]   # [P, 2, K]
+
+    def grow(self, extra: int) -> None:
+        self.table = np.concatenate([self.table, self._empty(len(self.plan_index), extra)], axis=2)
+
+    def insert(self, x: np.ndarray, choice: np.ndarray, near: np.ndarray) -> None:
+        below, above = near[self.plan_index, :, choice].T.tolist()
+        for plan, xp, m in zip(self.plan_index.tolist(), x.tolist(), choice.tolist()):
+            self.table[plan, 0, m, xp + 1:above[plan] + 1] = xp
+            self.table[plan, 1, m, max(below[plan], 0):xp] = xp
+
+
+class _NeighbourEnds:
+    """Neighbours for insertion orders that run through the sorted positions one way (`sorted`,
+    `reverse-sorted`): every member lies on one side of x, so x's neighbour in a microbatch is its last
+    insertion there, and the other side is empty. O(P x K) state, where the table's slice writes would
+    cost O(N) per insertion and make the fill quadratic."""
+
+    def __init__(self, orders: np.ndarray, slots: int):
+        self.n = orders.shape[1]
+        self.increasing = (orders[:, -1] >= orders[:, 0])[:, None] if self.n else np.ones((len(orders), 1), bool)
+        self.plan_index = np.arange(len(orders))
+        self.last = self._empty(slots)
+
+    def _empty(self, slots: int) -> np.ndarray:
+        return np.where(self.increasing, -1, self.n) * np.ones((1, slots), dtype=np.int64)
+
+    def near(self, x: np.ndarray) -> np.ndarray:
+        empty = np.where(self.increasing, self.n, -1) * np.ones_like(self.last)
+        below = np.where(self.increasing, self.last, empty)
+        above = np.where(self.increasing, empty, self.last)
+        return np.stack([below, above], axis=1)   # [P, 2, K]
+
+    def grow(self, extra: int) -> None:
+        self.last = np.concatenate([self.last, self._empty(extra)], axis=1)
+
+    def insert(self, x: np.ndarray, choice: np.ndarray, near: np.ndarray) -> None:
+        self.last[self.plan_index, choice] = x
+
+
+def is_monotone(orders: np.ndarray) -> bool:
+    """Every plan's order runs through the positions strictly one way (what `_NeighbourEnds` needs)."""
+    step = np.diff(orders, axis=1)
+    return bool(np.all(np.all(step > 0, axis=1) | np.all(step < 0, axis=1)))
 
 
 def greedy_fill(model: PrefixCostModel, capacity: int, orders: np.ndarray, max_shared: np.ndarray,
@@ -103,30 +175,18 @@ def greedy_fill(model: PrefixCostModel, capacity: int, orders: np.ndarray, max_s
     """Insert trajectories one at a time for P plans at once; returns microbatch ids int64[P, N].
 
     Plan p inserts `orders[p]` in turn; `max_shared[p]` picks its rule (else
-    best-fit). State per plan, position i and microbatch m:
-    `neighbours[p, 0, i, m]` is m's largest member < i (or -1) and
-    `neighbours[p, 1, i, m]` its smallest member > i (or N). Reading column x
-    gives every microbatch's neighbours of x at once, so each step is a
-    handful of numpy ops over (P, K); an insertion rewrites, by two slice
-    assignments, only the positions between x and its new neighbours.
-    Memory: 2 x P x N x K int16 (int32 from N = 32,767 on), plus the dense
-    LCP table (see DENSE_LCP_LIMIT).
+    best-fit). Each step reads every microbatch's neighbours of x at once
+    (`_NeighbourEnds` when every order is monotone, else `_NeighbourTable`),
+    so it is a handful of numpy ops over (P, K). Memory: the neighbour state,
+    plus the dense LCP table (see DENSE_LCP_LIMIT).
     """
     plans, n = orders.shape
     lengths = model.lengths
     plan_index = np.arange(plans)
     shared_of = _neighbour_lcp_reader(model, n <= DENSE_LCP_LIMIT if dense_lcp is None else dense_lcp)
 
-    index_type = np.int16 if n < np.iinfo(np.int16).max else np.int32  # must hold -1..N
-
-    def empty_neighbours(slots):
-        block = np.empty((plans, 2, n, slots), dtype=index_type)
-        block[:, 0] = -1
-        block[:, 1] = n
-        return block
-
     slots = max(1, min(n, initial_capacity))
-    neighbours = empty_neighbours(slots)
+    neighbours = _NeighbourEnds(orders, slots) if is_monotone(orders) else _NeighbourTable(plans, n, slots)
     # Unopened microbatches carry a work no trajectory can fit beside, which
     # keeps them out of every choice without a separate mask.
     closed = np.int64(2 * capacity + 1)
@@ -139,7 +199,7 @@ def greedy_fill(model: PrefixCostModel, capacity: int, orders: np.ndarray, max_s
 
     for step in range(n):
         x = orders[:, step]
-        near = neighbours[plan_index, :, x]  # [P, 2, K]
+        near = neighbours.near(x)  # [P, 2, K]
         shared = shared_of(x, near)
         after = work + (lengths[x][:, None] - shared)  # work + ΔC
         key = np.where(after <= capacity, shared * shared_weight + after, -1)
@@ -148,19 +208,18 @@ def greedy_fill(model: PrefixCostModel, capacity: int, orders: np.ndarray, max_s
         choice = np.where(fits, choice, count)
         if choice.max() >= slots:  # grow the per-microbatch arrays by half, capped at N
             extra = min(n, slots + slots // 2 + 1) - slots
-            neighbours = np.concatenate([neighbours, empty_neighbours(extra)], axis=3)
-            near = np.concatenate([near, neighbours[plan_index, :, x, slots:]], axis=2)
+            neighbours.grow(extra)
+            # A new microbatch has no members: its neighbours are -1 / N.
+            empty = np.empty((plans, 2, extra), dtype=np.int64)
+            empty[:, 0], empty[:, 1] = -1, n
+            near = np.concatenate([near, empty], axis=2)
             work = np.concatenate([work, np.full((plans, extra), closed, np.int64)], axis=1)
             after = np.concatenate([after, np.zeros((plans, extra), np.int64)], axis=1)
             slots += extra
         work[plan_index, choice] = np.where(fits, after[plan_index, choice], lengths[x])
         count += ~fits
         microbatch_of[plan_index, x] = choice
-        # A new microbatch has no neighbours: its rows are still -1 / N.
-        p_of, q_of = near[plan_index, :, choice].T.tolist()
-        for plan, xp, m in zip(range(plans), x.tolist(), choice.tolist()):
-            neighbours[plan, 0, xp + 1:q_of[plan] + 1, m] = xp
-            neighbours[plan, 1, max(p_of[plan], 0):xp, m] = xp
+        neighbours.insert(x, choice, near)
     return microbatch_of
 
 
@@ -259,12 +318,16 @@ def greedy_candidates(model: PrefixCostModel, capacity: int, dp: int) -> list[Ca
     # Greedy plans rarely need more than ~G/T microbatches plus alignment;
     # greedy_fill grows its arrays if one does.
     estimate = max(16, -(-5 * model.total_unique_tokens // (4 * capacity)) + dp)
-    # Bound the per-microbatch lookup arrays (2 x 4 bytes x N x K per plan at worst) near 256 MB.
+    # Monotone orders (sorted, reverse-sorted) need no neighbour table: they are filled together. The
+    # others' tables (2 x 4 bytes x N x K per plan at worst) are bounded near 256 MB per fill.
+    monotone = [i for i in range(len(names)) if is_monotone(order_PN[i:i + 1])]
+    general = [i for i in range(len(names)) if i not in monotone]
     per_plan = 8 * n * min(n, estimate)
     chunk = int(max(1, min(len(names), (256 << 20) // max(per_plan, 1))))
-    filled = [greedy_fill(model, capacity, order_PN[i:i + chunk], max_shared[i:i + chunk], estimate)
-              for i in range(0, len(names), chunk)]
-    microbatch_PN = np.concatenate(filled, axis=0)
+    groups = ([monotone] if monotone else []) + [general[i:i + chunk] for i in range(0, len(general), chunk)]
+    microbatch_PN = np.empty((len(names), n), dtype=np.int64)
+    for group in groups:
+        microbatch_PN[group] = greedy_fill(model, capacity, order_PN[group], max_shared[group], estimate)
 
     result = []
     for (order, rule), microbatch_of, shared_rule in zip(names, microbatch_PN, max_shared):
