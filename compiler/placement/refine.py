@@ -37,6 +37,7 @@ def adjust_depths(model: PrefixCostModel, options: L2Options, layout: Layout, dp
     K = len(layout.cell_of_consumer)
     W = len(layout.window_start) - 1
     exported = 0
+    members_index = _Members(model, layout.consumer_of)
     for w in range(W):
         ev = layout.ev
         cost = ev.res_f + ev.res_b
@@ -59,7 +60,7 @@ def adjust_depths(model: PrefixCostModel, options: L2Options, layout: Layout, dp
             cell = layout.cell_of_consumer[a]
             pool = np.flatnonzero((layout.cell_of_consumer == cell) & (np.arange(K) != a))
             for x in candidates[np.argsort(np.abs(gain - wanted), kind="stable")][:2].tolist():
-                receiver = _best_receiver(model, layout, ev, x, pool, capacity)
+                receiver = _best_receiver(members_index, ev, x, pool, capacity)
                 if receiver < 0:
                     continue
                 trial = _apply_move(layout, np.array([x]), a, receiver)
@@ -68,6 +69,7 @@ def adjust_depths(model: PrefixCostModel, options: L2Options, layout: Layout, dp
                 score = trial_score(model, options, trial, dp, capacity, token_limit, layout, [a, receiver])
                 if score is not None and score[0] <= layout.key[0]:
                     layout = trial
+                    members_index = _Members(model, layout.consumer_of)
                     exported += 1
                     break
     decisions.append(f"depth adjustments: {exported} nested prefixes exported, {format_key(layout.key)}")
@@ -186,8 +188,9 @@ def _push_moves(model, layout: Layout, ev: Evaluation, a: int, dp: int, capacity
     exportable = _exportable(members, lengths, ev)
     gain = lengths[exportable] - ev.cached[exportable]
     exportable, gain = exportable[gain > 0], gain[gain > 0]
+    members_index = _Members(model, layout.consumer_of)
     for x in exportable[np.argsort(np.abs(gain - wanted), kind="stable")][:3].tolist():
-        receiver = _best_receiver(model, layout, ev, x, same_cell, capacity)
+        receiver = _best_receiver(members_index, ev, x, same_cell, capacity)
         if receiver >= 0:
             moves.append((np.array([x]), a, receiver))
     runs = _member_runs(members, lengths, ev.lcp_consumer)
@@ -228,10 +231,11 @@ def _pull_moves(model, layout: Layout, ev: Evaluation, b: int, dp: int, capacity
     per_row = max(1.0, cost[b] / max(1, ev.res_n[b]))
     wanted = max(1.0, (slot_max[layout.slot[b]] - cost[b]) / per_row / 2)
     ranked = []
+    members_index = _Members(model, layout.consumer_of)
     for a in donors:
-        for run in _member_runs(np.flatnonzero(layout.consumer_of == a), lengths, ev.lcp_consumer):
-            if ev.full[b] + _growth(model, layout.consumer_of, int(run[-1]), np.array([b]))[0] > capacity:
-                continue
+        runs = _member_runs(np.flatnonzero(layout.consumer_of == a), lengths, ev.lcp_consumer)
+        fits = ev.full[b] + members_index.growth([int(run[-1]) for run in runs], b) <= capacity
+        for run in (run for run, fit in zip(runs, fits.tolist()) if fit):
             below = np.concatenate([[ev.lcp_consumer[run[0]]], lengths[run[:-1]]])
             moved = lengths[run[-1]] - below          # rows a no longer holds once run[i:] leaves
             for i in np.argsort(np.abs(moved - wanted), kind="stable")[:2].tolist():
@@ -240,22 +244,37 @@ def _pull_moves(model, layout: Layout, ev: Evaluation, b: int, dp: int, capacity
     return [(run[i:], a, b) for _, a, i, run in ranked[:12]]
 
 
-def _growth(model: PrefixCostModel, consumer_of: np.ndarray, x: int, pool: np.ndarray) -> np.ndarray:
-    """Rows each consumer of `pool` would add to its complete layout to hold trajectory x.
+class _Members:
+    """A layout's members as sorted (consumer, position) keys: for any consumer, its nearest members around a
+    position by binary search, so a growth query costs O(log N) instead of a scan of all N positions (which
+    made refinement quadratic on steps of tens of thousands of trajectories)."""
 
-    x shares with a consumer exactly its longest common prefix with any member.
-    """
-    shared = np.zeros(int(consumer_of.max()) + 1, dtype=np.int64)
-    np.maximum.at(shared, consumer_of, model.lcp_to_all(x))
-    return model.lengths[x] - shared[pool]
+    def __init__(self, model: PrefixCostModel, consumer_of: np.ndarray):
+        self.model = model
+        self.stride = np.int64(model.num_trajectories + 1)
+        self.keys = np.sort(consumer_of.astype(np.int64) * self.stride + np.arange(model.num_trajectories))
+
+    def growth(self, x, consumers) -> np.ndarray:
+        """Rows each consumer would add to its complete layout to hold trajectory x (elementwise, broadcast):
+        |x| minus x's longest common prefix with any member, reached at its nearest member below or above x."""
+        model, keys, stride = self.model, self.keys, self.stride
+        x, consumers = np.broadcast_arrays(np.asarray(x, dtype=np.int64), np.asarray(consumers, dtype=np.int64))
+        at = np.searchsorted(keys, consumers * stride + x)       # the first member at or above x
+        below = keys[np.maximum(at - 1, 0)]
+        below = np.where((at > 0) & (below // stride == consumers), below % stride, -1)
+        above = keys[np.minimum(at, len(keys) - 1)]
+        above = np.where((at < len(keys)) & (above // stride == consumers), above % stride, model.num_trajectories)
+        member = above == x                                    # x already in that consumer: nothing to add
+        after = np.where(member, model.num_trajectories, above)
+        shared = np.maximum(model.neighbour_lcp(below, x), model.neighbour_lcp(x, after))
+        return np.where(member, 0, model.lengths[x] - shared)
 
 
-def _best_receiver(model: PrefixCostModel, layout: Layout, ev: Evaluation, x: int, pool: np.ndarray,
-                   capacity: int) -> int:
+def _best_receiver(members: _Members, ev: Evaluation, x: int, pool: np.ndarray, capacity: int) -> int:
     """The consumer of `pool` that takes trajectory x with the least growth of its complete layout (-1: none fits)."""
     if not len(pool):
         return -1
-    growth = _growth(model, layout.consumer_of, x, pool)
+    growth = members.growth(x, pool)
     fits = ev.full[pool] + growth <= capacity
     if not fits.any():
         return -1
