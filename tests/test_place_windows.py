@@ -586,3 +586,26 @@ def test_refinement_never_raises_phi_and_keeps_the_placement_valid(seed):
     assert refined.decoder_tokens <= int(partition.work.sum())
     if seed == 6:
         assert refined.key[0] < unrefined.key[0]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_member_growth_is_what_a_consumer_adds_to_hold_a_trajectory(seed):
+    """`refine`'s growth query (nearest members by binary search) against its definition: |x| minus x's longest
+    common prefix with any member of the consumer, 0 when x is a member, for every trajectory and consumer."""
+    lists = _step_wise_forest(seed, trees=5)
+    lengths, lcp = lengths_and_lcp(lists)
+    model = PrefixCostModel.build(lengths, lcp)
+    rng = np.random.default_rng(seed)
+    consumer_of = rng.integers(0, 7, size=len(lists))
+    consumer_of[:7] = np.arange(7)   # every consumer has a member
+    members = refine_module._Members(model, consumer_of)
+
+    def common(a, b):
+        return next((i for i, (s, t) in enumerate(zip(a, b)) if s != t), min(len(a), len(b)))
+
+    for x in range(len(lists)):
+        want = [0 if consumer_of[x] == c else
+                len(lists[x]) - max(common(lists[x], lists[y]) for y in np.flatnonzero(consumer_of == c))
+                for c in range(7)]
+        assert members.growth(x, np.arange(7)).tolist() == want, x
+        assert members.growth([x, x], [want.index(max(want)), 0]).tolist() == [max(want), want[0]]
