@@ -44,7 +44,8 @@ class LossConfig:
 
     Invariants: `kind` in LOSSES, `reduction` in REDUCTIONS, 0 <= clip_low < 1
     (the lower clip bound 1 - clip_low stays positive, as a ratio is),
-    clip_high >= 0, and the three coefficients finite and >= 0. A NaN or an
+    clip_high >= 0, the three coefficients finite and >= 0, and kl_coef 0
+    for nll (which has no KL term). A NaN or an
     infinity here would silently turn the loss and every gradient into NaN,
     so it is refused with a ValueError that names the field, its `harts run`
     flag and the fix.
@@ -66,6 +67,10 @@ class LossConfig:
         _check_number("clip_high", self.clip_high, fix="pass --clip-high >= 0, e.g. 0.2 or 0.28")
         for name in ("kl_coef", "moe_aux_coef", "moe_z_coef"):
             _check_number(name, getattr(self, name), fix=f"pass {_flag(name)} >= 0 (0 turns the term off)")
+        if self.kind == "nll" and self.kl_coef:
+            raise UsageError(f"LossConfig.kl_coef (--kl-coef) = {self.kl_coef!r} has no effect with kind 'nll' "
+                             "(the KL term belongs to the grpo/ppo policy loss); fix: set kl_coef to 0, or pick "
+                             "kind 'grpo' or 'ppo'")
 
 
 def _flag(name: str) -> str:
@@ -136,13 +141,13 @@ def policy_loss(logprobs_P: torch.Tensor, meta: PositionMeta, config: LossConfig
     if config.kind == "nll":
         per_position = -lam
     else:
-        old = meta.old_logprobs
-        if meta.old_missing:
-            if config.kind == "ppo":
-                raise UsageError("loss 'ppo' needs old_logprobs for every trained position; "
-                                 "fix: give old_logprobs in trees.jsonl, or use --loss grpo (on-policy)")
-            old = lam.detach() if old is None else torch.where(torch.isnan(old), lam.detach(), old)
-        ratio = torch.exp(lam - old.to(torch.float64))
+        if meta.old_missing and config.kind == "ppo":
+            raise UsageError("loss 'ppo' needs old_logprobs for every trained position; "
+                             "fix: give old_logprobs in trees.jsonl, or use --loss grpo (on-policy)")
+        # grpo without an old log-probability is on-policy (ratio 1). Untrained positions get ratio 1 too,
+        # whatever they hold: weight 0 would not cancel an inf or NaN ratio there, in the loss or its gradient.
+        old = _where_trained(meta.old_logprobs, weight, lam.detach())
+        ratio = torch.exp(lam - old)
         adv = meta.advantages.to(torch.float64)
         clipped = torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
         per_position = -torch.minimum(ratio * adv, clipped * adv)
@@ -150,8 +155,16 @@ def policy_loss(logprobs_P: torch.Tensor, meta: PositionMeta, config: LossConfig
             if meta.ref_logprobs is None:
                 raise UsageError(f"--kl-coef {config.kl_coef} needs ref_logprobs, but the step has none; "
                                  "fix: give ref_logprobs in trees.jsonl, or drop --kl-coef")
-            ref = meta.ref_logprobs.to(torch.float64)
-            # Trajectories that gave no reference contribute no KL term (delta = 0).
-            delta = torch.where(torch.isnan(ref), lam.detach(), ref) - lam
+            # Trajectories that gave no reference contribute no KL term (delta = 0), nor do untrained positions.
+            delta = _where_trained(meta.ref_logprobs, weight, lam.detach()) - lam
             per_position = per_position + config.kl_coef * (torch.exp(delta) - delta - 1.0)
     return (per_position * weight).sum()
+
+
+def _where_trained(given: torch.Tensor | None, weight: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """`given` (float64) at trained positions where it is a number, else `fallback`: a log-probability the loss
+    may read, with no inf or NaN where it must not (0 x inf is NaN, and so would be the gradient)."""
+    if given is None:
+        return fallback
+    given = given.to(torch.float64)
+    return torch.where((weight > 0) & ~torch.isnan(given), given, fallback)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from harts.executor.losses import REDUCTIONS, LossConfig, position_weights
+from harts.executor.losses import REDUCTIONS, LossConfig, PositionMeta, policy_loss, position_weights
 from harts.executor.models.init_model import kimi_linear_config
 from harts.executor.runtime import run_step
 
@@ -59,3 +59,28 @@ def test_every_reduction_is_the_same_compact_expanded_and_split_over_microbatche
         assert abs(other.loss - whole.loss) <= 1e-9 * max(1.0, abs(whole.loss))
         for name, grad in whole.grads.items():
             torch.testing.assert_close(other.grads[name], grad, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "ppo"])
+@pytest.mark.parametrize("junk", [np.nan, -1e30, 1e30], ids=["nan", "minus-1e30", "plus-1e30"])
+def test_untrained_positions_cannot_poison_the_loss_or_its_gradient(kind, junk):
+    # What an untrained position holds is never read: a trajectory without old_logprobs whose loss_mask is all
+    # zeros (NaN there), or a placeholder far from any log-probability. Weight 0 does not cancel inf or NaN,
+    # so the loss must equal the loss over the trained positions alone, with a finite gradient.
+    weights = position_weights(MASK, OFFSETS, "token-mean")
+    trained = weights > 0
+    old = np.where(trained, -1.25, junk)
+    ref = np.where(trained, -1.5, junk)
+    logprobs = torch.linspace(-2.0, -0.5, len(MASK), dtype=torch.float64, requires_grad=True)
+
+    def loss_of(keep):
+        meta = PositionMeta(weight=torch.tensor(weights[keep]), advantages=torch.linspace(-1, 1, len(MASK))[keep],
+                            old_logprobs=torch.tensor(old[keep]), ref_logprobs=torch.tensor(ref[keep]),
+                            old_missing=False)
+        return policy_loss(logprobs[keep], meta, LossConfig(kind=kind, kl_coef=0.1))
+
+    loss = loss_of(np.ones(len(MASK), dtype=bool))
+    (gradient,) = torch.autograd.grad(loss, logprobs)
+    assert torch.isfinite(loss) and torch.isfinite(gradient).all()
+    torch.testing.assert_close(loss, loss_of(trained))
+    assert torch.all(gradient[~torch.from_numpy(trained)] == 0)
