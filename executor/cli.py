@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from harts.executor.models.registry import runner_class
 from harts.executor.ops.linear_attention.backend import select_backend
 from harts.progress import quiet_library_progress, terminal_progress
 from harts.schema.atomic import atomic_write_files, check_output_path
-from harts.schema.errors import HartsError, OutputError
+from harts.schema.errors import HartsError, OutputError, UsageError
 from harts.schema.plan import read_plan
 from harts.schema.plan_invariants import require_valid_plan
 
@@ -85,9 +86,17 @@ def check_outputs(plan: str, model_dir: str, outputs: list[str]) -> None:
 
 
 def logprobs_bytes(logprobs: dict) -> bytes:
-    """An .npz of one float32 array per trajectory, keyed by str(id)."""
+    """An .npz of one float32 array per trajectory, keyed by str(id), as `np.savez` writes it.
+
+    Written entry by entry rather than through `np.savez(buffer, **logprobs)`:
+    ids are user strings, and keyword arguments would turn an id "file" into a
+    crash and swallow an id "allow_pickle" as an option.
+    """
     buffer = io.BytesIO()
-    np.savez(buffer, **logprobs)
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for key, values in logprobs.items():
+            with archive.open(f"{key}.npy", "w", force_zip64=True) as entry:
+                np.lib.format.write_array(entry, np.asanyarray(values), allow_pickle=False)
     return buffer.getvalue()
 
 
@@ -140,9 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how per-position terms reduce over the step (default token-mean: divide by the step's "
                         "trained positions; seq-mean-token-mean: mean over trajectories of their token means; "
                         "seq-mean-token-sum: mean over trajectories of their token sums)")
-    p.add_argument("--clip-low", type=float, default=0.2, help="grpo/ppo: ratio clipped below at 1 - this (default 0.2)")
-    p.add_argument("--clip-high", type=float, default=0.2, help="grpo/ppo: ratio clipped above at 1 + this (default 0.2)")
-    p.add_argument("--kl-coef", type=float, default=0.0, help="grpo/ppo: weight of the k3 KL to ref_logprobs (default 0)")
+    # Defaults None so that a flag --loss nll would ignore can be told apart from one not given (LossConfig's
+    # defaults apply when absent).
+    p.add_argument("--clip-low", type=float, help="grpo/ppo: ratio clipped below at 1 - this (default 0.2)")
+    p.add_argument("--clip-high", type=float, help="grpo/ppo: ratio clipped above at 1 + this (default 0.2)")
+    p.add_argument("--kl-coef", type=float, help="grpo/ppo: weight of the k3 KL to ref_logprobs (default 0)")
     p.add_argument("--moe-aux-coef", type=float, default=0.0, help="weight of the MoE load-balancing loss (default 0: reported only)")
     p.add_argument("--moe-z-coef", type=float, default=0.0, help="weight of the router z-loss (default 0: reported only)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model dtype (default float32)")
@@ -173,10 +184,23 @@ def flag_conflict(args) -> str | None:
     return None
 
 
+_POLICY_FLAGS = ("clip_low", "clip_high", "kl_coef")   # what grpo and ppo read and nll does not
+
+
 def loss_config(args) -> LossConfig:
-    """The objective the flags ask for; ValueError (one line naming the flag) when a value is illegal."""
-    return LossConfig(kind=args.loss, clip_low=args.clip_low, clip_high=args.clip_high, kl_coef=args.kl_coef,
-                      moe_aux_coef=args.moe_aux_coef, moe_z_coef=args.moe_z_coef, reduction=args.reduction)
+    """The objective the flags ask for; UsageError (one line naming the flag) when a value is illegal, or when
+    `--loss nll` is given a clip or KL value other than the default (nll would ignore it)."""
+    given = {name: getattr(args, name) for name in _POLICY_FLAGS if getattr(args, name) is not None}
+    config = LossConfig(kind=args.loss, moe_aux_coef=args.moe_aux_coef, moe_z_coef=args.moe_z_coef,
+                        reduction=args.reduction, **given)
+    # A launcher may pass every flag with its default whatever the loss; only a value that would matter is refused.
+    defaults = LossConfig()
+    ignored = [name for name, value in given.items() if value != getattr(defaults, name)]
+    if config.kind == "nll" and ignored:
+        flag = "--" + ignored[0].replace("_", "-")
+        raise UsageError(f"{flag} has no effect with --loss nll (it shapes the grpo/ppo policy loss); "
+                         f"fix: drop {flag}, or pass --loss grpo or --loss ppo")
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:

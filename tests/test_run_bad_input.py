@@ -25,7 +25,7 @@ from harts.executor import cli as run_cli
 from harts.executor import runtime
 from harts.executor.losses import LossConfig
 from harts.executor.models import init_model as init_model_module
-from harts.schema.errors import OutputError
+from harts.schema.errors import OutputError, UsageError
 from harts.schema.plan import read_plan, write_plan
 
 TREES = [
@@ -175,6 +175,29 @@ def test_illegal_loss_flags_are_one_line(workspace, capsys, no_model_load, flags
     assert flags[-2] in err and "LossConfig" in err
 
 
+@pytest.mark.parametrize("flags", [["--clip-low", "0.1"], ["--clip-high", "0.28"], ["--kl-coef", "0.05"]],
+                         ids=lambda f: "=".join(f[-2:]))
+def test_policy_flags_are_refused_with_nll(workspace, capsys, no_model_load, flags):
+    # nll has no ratio and no KL term: a value it would ignore is a mistake worth one line, not a silent no-op.
+    assert harts(run_argv(workspace, "--json", *flags)) == 2
+    err = one_line(capsys)
+    assert flags[-2] in err and "has no effect with" in err and "nll" in err
+
+
+def test_policy_flags_at_their_defaults_pass_with_nll_and_apply_to_grpo():
+    parse = run_cli.build_parser().parse_args
+    common = ["step.plan", "--model", "m", "--clip-low", "0.2", "--clip-high", "0.2", "--kl-coef", "0"]
+    assert run_cli.loss_config(parse(common)) == LossConfig()   # a launcher passing every default
+    config = run_cli.loss_config(parse(["step.plan", "--model", "m", "--loss", "grpo", "--clip-high", "0.28"]))
+    assert (config.kind, config.clip_low, config.clip_high, config.kl_coef) == ("grpo", 0.2, 0.28, 0.0)
+
+
+def test_nll_rejects_a_kl_weight_from_python_too():
+    with pytest.raises(UsageError, match="no effect with kind 'nll'"):
+        LossConfig(kind="nll", kl_coef=0.1)
+    assert LossConfig(kind="grpo", kl_coef=0.1).kl_coef == 0.1
+
+
 @pytest.mark.parametrize("fields", [
     {"kind": "sft"}, {"reduction": "sum"}, {"clip_low": math.nan}, {"clip_high": math.inf},
     {"kl_coef": -1.0}, {"moe_aux_coef": math.nan}, {"moe_z_coef": True},
@@ -251,6 +274,17 @@ def test_init_model_replaces_an_earlier_model_only_when_asked(tmp_path, capsys):
     assert harts(["init-model", "--vocab-size", "32", "-o", str(target), "--replace"]) == 0
     assert json.loads((target / "config.json").read_text())["vocab_size"] == 32
     assert os.listdir(tmp_path) == ["m"]
+
+
+def test_init_model_files_get_the_default_mode(tmp_path):
+    # safetensors writes its weights 0o600; another account reading the model must be able to open them.
+    old = os.umask(0o022)
+    try:
+        assert harts(["init-model", "--vocab-size", "16", "-o", str(tmp_path / "m")]) == 0
+    finally:
+        os.umask(old)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "m").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
 
 
 class FailingModel:

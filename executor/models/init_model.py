@@ -191,6 +191,16 @@ def build_model(arch: str, preset: str, vocab_size: int, seed: int):
     return model
 
 
+def _give_default_modes(folder: Path) -> None:
+    """Mode 0o666 less the umask for every file, as any new file gets: safetensors writes its weights 0o600,
+    which another account (a trainer reading the model) could not open, beside a world-readable config.json."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():
+        if path.is_file():
+            os.chmod(path, 0o666 & ~umask)
+
+
 def save_atomically(model, target: Path) -> None:
     """save_pretrained into a temporary sibling folder, then rename it to `target`.
 
@@ -208,6 +218,7 @@ def save_atomically(model, target: Path) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(staging)
+        _give_default_modes(staging)
         if target.is_dir() and any(target.iterdir()):
             os.rename(target, old)
             moved_aside = True
