@@ -2,8 +2,9 @@
 
 Reads: one JSON object per line, exactly as contract section 1 defines it
 (`id`, `tokens`, and optional `tree`, `loss_mask`, `advantages`,
-`old_logprobs`, `ref_logprobs`; other keys are ignored). A path ending in
-`.zst` is zstd-compressed and is decompressed as a stream.
+`old_logprobs`, `ref_logprobs`; other keys are ignored). A file that starts
+with zstd's magic number, or whose name ends in `.zst` (any case), is
+zstd-compressed and is decompressed as a stream.
 
 Produces: a `TrajectoryBatch` in file order whose every documented invariant
 holds, or raises `InputError` naming the file, the 1-based physical line, the
@@ -44,7 +45,7 @@ import numpy as np
 import orjson
 import zstandard
 
-from harts.compiler.ir.trajectories import TrajectoryBatch
+from harts.compiler.ir.trajectories import TrajectoryBatch, never_read
 from harts.schema.errors import InputError, UsageError
 
 __all__ = ["read_trees"]
@@ -57,10 +58,12 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # compresses ~100x, so a small input step keeps each output chunk small.
 _ZSTD_READ_BYTES = 1 << 17
 _UTF8_BOM = b"\xef\xbb\xbf"
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"   # every zstd frame starts with 0xFD2FB528, little-endian
 _MISSING = object()
 
 _FIX_LINE = 'write one JSON object per line, e.g. {"id": 7, "tokens": [1, 2, 3]}'
 _FIX_FLOAT_LIST = "write a list of finite JSON numbers, one per token"
+_FIX_LOGPROBS = _FIX_FLOAT_LIST + " (null or NaN only where no loss reads one: index 0, and where loss_mask is 0)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +122,8 @@ def read_trees(path: str | os.PathLike, *, vocab_size: int | None = None,
     token_arrays: list[np.ndarray] = []  # int32, parallel to `trajectories`
     # str(id) -> (line, id): ids must be unique as strings, see module docstring.
     first_line_of: dict[str, tuple[int, str | int]] = {}
-    numbered_lines = _numbered_lines(source)
+    compressed = _is_zstd(source)
+    numbered_lines = _numbered_lines(source, compressed)
     try:
         for line_number, line in numbered_lines:
             if line_number == 1 and line.startswith(_UTF8_BOM):
@@ -136,7 +140,7 @@ def read_trees(path: str | os.PathLike, *, vocab_size: int | None = None,
             trajectories.append(trajectory)
             token_arrays.append(tokens)
     except InputError:
-        if source.endswith(".zst"):
+        if compressed:
             # Decompressed garbage reaches the parser before the zstd checksum
             # at the frame's end is checked; if the rest of the stream is
             # corrupt, that, not a "malformed line", is the error to report.
@@ -154,13 +158,28 @@ def read_trees(path: str | os.PathLike, *, vocab_size: int | None = None,
 
 # --- reading lines ---------------------------------------------------------------------------
 
-def _numbered_lines(source: str) -> Iterator[tuple[int, bytes]]:
+def _is_zstd(source: str) -> bool:
+    """Whether to decompress: the name ends in .zst (then anything else is a corrupted stream), or a regular file
+    starts with a zstd frame's magic number (`trees.jsonl.ZST`, `.zstd`, no suffix). A pipe (`/dev/stdin`,
+    `<(zcat ...)`) is not peeked at: its bytes would be gone. Unreadable: False, and `_numbered_lines`
+    reports why."""
+    if source.lower().endswith(".zst"):
+        return True
+    if not os.path.isfile(source):
+        return False
+    try:
+        with open(source, "rb") as file:
+            return file.read(len(_ZSTD_MAGIC)) == _ZSTD_MAGIC
+    except OSError:
+        return False
+
+
+def _numbered_lines(source: str, compressed: bool) -> Iterator[tuple[int, bytes]]:
     """Yield (1-based physical line number, raw line bytes); I/O failures become InputError.
 
     Errors are raised inside this generator, so an InputError raised by the
     caller's loop body is never mistaken for a read failure.
     """
-    compressed = source.endswith(".zst")
     try:
         with open(source, "rb") as file:
             lines = _split_lines(_zstd_chunks(file, source)) if compressed else file
@@ -241,23 +260,24 @@ def _parse_line(line: bytes, where: _Where) -> tuple[_Trajectory, np.ndarray]:
     if traj_id is _MISSING:
         raise where.error("id", "missing required field", 'add "id": a unique string or int')
     if type(traj_id) is not str and type(traj_id) is not int:
-        raise where.error("id", f"expected a string or an int, found {_describe(traj_id)}",
-                          'write "id" as a JSON string or integer')
+        raise where.error("id", f"expected a string or an int, found {_describe_label(traj_id)}",
+                          'write "id" as a JSON string or integer' + _fix_huge_label(traj_id))
 
     tree = obj.get("tree")
     if tree is not None and type(tree) is not str and type(tree) is not int:
-        raise where.error("tree", f"expected a string or an int, found {_describe(tree)}",
-                          'write "tree" as a JSON string or integer, or leave it out')
+        raise where.error("tree", f"expected a string or an int, found {_describe_label(tree)}",
+                          'write "tree" as a JSON string or integer, or leave it out' + _fix_huge_label(tree))
 
     tokens = _parse_tokens(obj.get("tokens", _MISSING), where, may_hold_bool)
     num_tokens = len(tokens)
     loss_mask = _parse_loss_mask(obj.get("loss_mask"), num_tokens, where, may_hold_bool)
     advantages = _parse_advantages(obj.get("advantages"), num_tokens, where, may_hold_bool)
-    old_logprobs = _parse_float_list(obj.get("old_logprobs"), "old_logprobs", num_tokens, where,
-                                     may_hold_bool)
-    ref_logprobs = _parse_float_list(obj.get("ref_logprobs"), "ref_logprobs", num_tokens, where,
-                                     may_hold_bool)
-    if constants:
+    unread = never_read(loss_mask, num_tokens)
+    old_logprobs, old_literals = _parse_logprobs(obj.get("old_logprobs"), "old_logprobs", num_tokens, where,
+                                                 may_hold_bool, unread)
+    ref_logprobs, ref_literals = _parse_logprobs(obj.get("ref_logprobs"), "ref_logprobs", num_tokens, where,
+                                                 may_hold_bool, unread)
+    if len(constants) > old_literals + ref_literals:
         # Every field HARTS reads passed, so the NaN/Infinity sits in a field it
         # ignores; the line is still not JSON.
         raise where.error(None, f"malformed JSON: {constants[0]} is not a JSON value",
@@ -424,8 +444,9 @@ def _parse_advantages(value, num_tokens: int, where: _Where, may_hold_bool: bool
 
 
 def _parse_float_list(value, field: str, num_tokens: int, where: _Where,
-                      may_hold_bool: bool) -> np.ndarray | None:
-    """A per-token float field as a finite float32 array of num_tokens, or None when absent."""
+                      may_hold_bool: bool, fix: str = _FIX_FLOAT_LIST, array=_MISSING) -> np.ndarray | None:
+    """A per-token float field as a finite float32 array of num_tokens, or None when absent (`fix`: the
+    fix its element errors suggest; `array`: `_numeric_array(value)` when the caller has it already)."""
     if value is None:
         return None
     if type(value) is not list:
@@ -433,10 +454,8 @@ def _parse_float_list(value, field: str, num_tokens: int, where: _Where,
                           _FIX_FLOAT_LIST)
     if len(value) != num_tokens:
         raise where.error(field, f"has {len(value)} entries but tokens has {num_tokens}", _FIX_FLOAT_LIST)
-    try:
-        array = np.array(value)
-    except (ValueError, TypeError, OverflowError):
-        array = None
+    if array is _MISSING:
+        array = _numeric_array(value)
     # A list of ints is fine (JSON writers print 0.0 as 0); bools are not numbers here.
     ok = (array is not None and array.ndim == 1 and array.dtype.kind in "iuf"
           and not (may_hold_bool and _holds_bool(value)))
@@ -444,21 +463,63 @@ def _parse_float_list(value, field: str, num_tokens: int, where: _Where,
         # Values beyond float32 become inf here and are reported below, one line
         # per bad input; numpy's overflow warning would only add noise.
         with np.errstate(over="ignore"):
-            array = array.astype(np.float32)
+            array = array.astype(np.float32, copy=False)
         ok = bool(np.isfinite(array).all())
     if not ok:
         for i, x in enumerate(value):
             if type(x) is not int and type(x) is not float:
-                raise where.error(field, f"{field}[{i}] is {_describe(x)}, expected a number",
-                                  _FIX_FLOAT_LIST)
+                raise where.error(field, f"{field}[{i}] is {_describe(x)}, expected a number", fix)
             if not _finite_float32(x):
-                # `harts run` writes NaN at index 0 of its log-probabilities (nothing predicts the
-                # first token): say what to put there when such an array is passed back.
-                fix = (_FIX_FLOAT_LIST + " (index 0 is never a target: any finite number, e.g. 0.0)"
-                       if i == 0 else _FIX_FLOAT_LIST)
                 raise where.error(field, f"{field}[{i}] = {_short(x)} is not a finite float32", fix)
         raise AssertionError("float list rejected without a bad element")  # pragma: no cover
     return array
+
+
+def _parse_logprobs(value, field: str, num_tokens: int, where: _Where, may_hold_bool: bool,
+                    unread: np.ndarray) -> tuple[np.ndarray | None, int]:
+    """`old_logprobs` / `ref_logprobs`: `_parse_float_list`, except that positions no loss reads (`unread`:
+    index 0, loss_mask 0) may hold null, NaN, an infinity or a number beyond float32, stored as 0.0.
+
+    That is what `harts run --logprobs-out` writes there (NaN, which orjson writes as null and Python's
+    json as the literal NaN), so a run's log-probabilities pass back as the next step's input. Also
+    returns how many NaN / Infinity literals were so accepted: any others on the line sit in fields
+    HARTS ignores, and the line is still not JSON. Only lists holding such a value take the slower path.
+    """
+    literals = 0
+    if type(value) is not list or len(value) != num_tokens:
+        return _parse_float_list(value, field, num_tokens, where, may_hold_bool, _FIX_LOGPROBS), literals
+    if may_hold_bool and _holds_bool(value):
+        # An error (numpy would read the bool as a number, so it is found first): name it, not a value
+        # that may stand where it stands.
+        value = [0.0 if unread[i] and (x is None or (type(x) is float and not _finite_float32(x))) else x
+                 for i, x in enumerate(value)]
+        return _parse_float_list(value, field, num_tokens, where, may_hold_bool, _FIX_LOGPROBS), literals
+    array = _numeric_array(value)
+    if array is not None and array.ndim == 1 and array.dtype == object:
+        # A null somewhere (or a non-number, which _parse_float_list reports): 0.0 where never read.
+        skipped = np.equal(array, None) & unread
+        if skipped.any():
+            array[skipped] = 0.0
+            value = array.tolist()
+            array = _numeric_array(value)
+    if array is not None and array.ndim == 1 and array.dtype.kind == "f":
+        with np.errstate(over="ignore"):
+            narrow = array.astype(np.float32)   # what _parse_float_list checks (and then keeps, not copies)
+        skipped = ~np.isfinite(narrow) & unread
+        if skipped.any():
+            literals = int((~np.isfinite(array) & skipped).sum())   # NaN / Infinity, not 1e39
+            narrow[skipped] = 0.0
+            value = narrow.tolist()
+        array = narrow
+    return _parse_float_list(value, field, num_tokens, where, may_hold_bool, _FIX_LOGPROBS, array), literals
+
+
+def _numeric_array(value: list) -> np.ndarray | None:
+    """np.array(value), or None when numpy cannot build one (ragged nesting, an int beyond 64 bits)."""
+    try:
+        return np.array(value)
+    except (ValueError, TypeError, OverflowError):
+        return None
 
 
 def _int_array(value: list, may_hold_bool: bool) -> np.ndarray | None:
@@ -505,6 +566,23 @@ def _describe(x) -> str:
         return "a list"
     kind = {str: "a string", int: "an int", float: "a float"}.get(type(x), type(x).__name__)
     return f"{kind} {_short(x)}"
+
+
+def _is_huge_integer(x) -> bool:
+    """orjson reads a JSON integer outside [-2**63, 2**64) as a float: such a float is integral and that large
+    (-2**63 - 1 rounds to the float -2**63, so that bound is excluded too)."""
+    return type(x) is float and math.isfinite(x) and x.is_integer() and not -2**63 < x < 2**64
+
+
+def _describe_label(x) -> str:
+    """`_describe` for an id or tree, naming an integer too large for 64 bits as such."""
+    if _is_huge_integer(x):
+        return f"the number {x:.4g}, outside the 64-bit integer range [-2**63, 2**64)"
+    return _describe(x)
+
+
+def _fix_huge_label(x) -> str:
+    return " (an integer this large only as a string, e.g. \"18446744073709551616\")" if _is_huge_integer(x) else ""
 
 
 def _short(x) -> str:

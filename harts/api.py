@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from harts.compiler.ir.trajectories import TrajectoryBatch
+from harts.compiler.ir.trajectories import TrajectoryBatch, never_read
 from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.executor.losses import LossConfig
 from harts.executor.runtime import StepResult, run_step
@@ -55,22 +55,22 @@ def _per_token(values, lengths, name, dtype) -> list[np.ndarray]:
     return arrays
 
 
-def _flat(values, lengths, name, nan_at_index_0: bool = False) -> np.ndarray | None:
-    """Per-token floats as one float32 array; every value finite, except that with
-    `nan_at_index_0` a NaN at index 0 is stored as 0.0."""
+def _flat(values, lengths, name, unread: list[np.ndarray] | None = None) -> np.ndarray | None:
+    """Per-token floats as one float32 array; every value finite, except at the positions `unread[i]` of
+    trajectory i, where anything is stored as 0.0."""
     if values is None:
         return None
     arrays = _per_token(values, lengths, name, np.float64)
     for i, a in enumerate(arrays):
-        if nan_at_index_0:
-            # Index 0 is never read (nothing predicts the first token); StepResult.logprobs
-            # holds NaN there, so a log-probability array of a run can be passed back as is.
-            a = np.concatenate([np.nan_to_num(a[:1], nan=0.0), a[1:]])
+        if unread is not None:
+            # Positions no loss reads (`never_read`): StepResult.logprobs holds NaN at index 0, and with
+            # logprobs="loss" wherever loss_mask is 0, so a run's log-probabilities pass back as they are.
+            a = np.where(unread[i], 0.0, a)
         bad = np.flatnonzero(~np.isfinite(a) | (np.abs(a) > np.finfo(np.float32).max))
         if len(bad):
             raise ValueError(f"trajectory {i}: {name}[{bad[0]}] = {a[bad[0]]} is not a finite float32; "
-                             "fix: give finite numbers" + (" (index 0 may be NaN: it is never read)"
-                                                           if nan_at_index_0 else ""))
+                             "fix: give finite numbers" + (" (NaN only where no loss reads it: index 0, "
+                                                           "and where loss_mask is 0)" if unread is not None else ""))
         arrays[i] = a
     flat = np.concatenate(arrays) if arrays else np.zeros(0)
     return flat.astype(np.float32)
@@ -131,8 +131,10 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
     updates = {}
     if per_token_adv:
         updates["advantages"] = _flat(advantages, lengths, "advantages")
+    unread = [never_read(batch.loss_mask[start:end], end - start)
+              for start, end in zip(batch.token_offsets[:-1].tolist(), batch.token_offsets[1:].tolist())]
     for name, values in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
-        flat = _flat(values, lengths, name, nan_at_index_0=True)
+        flat = _flat(values, lengths, name, unread)
         if flat is not None:
             updates[name] = flat
             updates[f"has_{name}"] = np.ones(len(lengths), dtype=bool)

@@ -43,10 +43,18 @@ def test_good_batch_compiles():
     assert plan.step["ids"] == ["x", "y"] and plan.step["original_tokens"] == 6
 
 
-def test_a_runs_logprobs_pass_back_with_nan_at_index_0():
-    """`StepResult.logprobs` holds NaN at index 0, which nothing reads: compile_trajectories takes it."""
-    plan = api.compile_trajectories(TOKENS, old_logprobs=[[float("nan"), -1.0, -2.0]] * 2)
-    np.testing.assert_array_equal(plan.step["old_logprobs"], [0.0, -1.0, -2.0] * 2)
+def test_a_runs_logprobs_pass_back_with_nan_where_no_loss_reads():
+    """`StepResult.logprobs` holds NaN at index 0 (and with logprobs="loss" where loss_mask is 0), which
+    nothing reads: compile_trajectories takes it, and stores 0.0 there; elsewhere NaN is refused."""
+    nan = float("nan")
+    plan = api.compile_trajectories(TOKENS, loss_masks=[[1, 1, 1], [0, 0, 1]],
+                                    old_logprobs=[[nan, -1.0, -2.0], [nan, -float("inf"), -3.0]],
+                                    ref_logprobs=[[nan, -1.5, -2.5], [1e39, nan, -3.5]])
+    np.testing.assert_array_equal(plan.step["old_logprobs"], [0.0, -1.0, -2.0, 0.0, 0.0, -3.0])
+    np.testing.assert_array_equal(plan.step["ref_logprobs"], [0.0, -1.5, -2.5, 0.0, 0.0, -3.5])
+    with pytest.raises(ValueError, match=r"old_logprobs\[1\] = nan .* where loss_mask is 0"):
+        api.compile_trajectories(TOKENS, loss_masks=[[1, 1, 1], [0, 1, 1]],
+                                 old_logprobs=[[nan, -1.0, -2.0], [nan, nan, -3.0]])
 
 
 def test_torch_tensors_of_any_dtype_give_the_plan_of_lists():

@@ -10,6 +10,8 @@ invariants the rest of the compiler relies on without re-checking.
 from __future__ import annotations
 
 import json
+import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,6 +86,10 @@ BAD = [
     Bad("id_float", ['{"id": 1.5, "tokens": [1, 2]}'], 1, "id", "float"),
     Bad("id_null", ['{"id": null, "tokens": [1, 2]}'], 1, "id", "null"),
     Bad("id_list", ['{"id": [1], "tokens": [1, 2]}'], 1, "id", "list"),
+    # orjson reads integers beyond 64 bits as floats: the line must say the number is too large, not a float.
+    Bad("id_beyond_64_bits", ['{"id": 18446744073709551616, "tokens": [1, 2]}'], 1, "id", "64-bit integer range"),
+    Bad("id_below_64_bits", ['{"id": -9223372036854775809, "tokens": [1, 2]}'], 1, "id", "64-bit integer range"),
+    Bad("tree_beyond_64_bits", [tok(', "tree": 100000000000000000000000')], 1, "tree", "64-bit integer range"),
     Bad("tree_float", [tok(', "tree": 2.5')], 1, "tree", "float"),
     Bad("tree_bool", [tok(', "tree": false')], 1, "tree", "boolean"),
     Bad("tokens_not_a_list", [tok(tokens='"1 2 3"')], 1, "tokens", "string"),
@@ -132,9 +138,19 @@ BAD = [
         "has 4 entries"),
     Bad("old_logprobs_nan_literal", [tok(', "old_logprobs": [0, NaN, -1]')], 1, "old_logprobs",
         "old_logprobs[1] = nan"),
-    # harts run's log-probabilities hold NaN at index 0; passed back, the fix says what to write there.
-    Bad("old_logprobs_nan_at_index_0", [tok(', "old_logprobs": [NaN, -1, -2]')], 1, "old_logprobs",
-        "index 0 is never a target: any finite number"),
+    # NaN and null pass only where no loss reads them (test_logprobs_may_be_missing_where_no_loss_reads_them).
+    Bad("old_logprobs_nan_where_trained", [tok(', "loss_mask": [0, 0, 1], "old_logprobs": [NaN, -1, NaN]')], 1,
+        "old_logprobs", "old_logprobs[2] = nan"),
+    Bad("ref_logprobs_null_where_trained", [tok(', "loss_mask": [1, 1, 0], "ref_logprobs": [null, null, null]')], 1,
+        "ref_logprobs", "ref_logprobs[1] is null"),
+    Bad("old_logprobs_bool_beside_a_nan", [tok(', "old_logprobs": [NaN, true, -1]')], 1, "old_logprobs",
+        "old_logprobs[1] is true"),
+    Bad("ref_logprobs_bool_beside_a_null", [tok(', "loss_mask": [0, 0, 1], "ref_logprobs": [null, false, -1]')], 1,
+        "ref_logprobs", "ref_logprobs[1] is false"),
+    Bad("old_logprobs_string_where_untrained", [tok(', "loss_mask": [0, 0, 1], "old_logprobs": [0, "x", -1]')], 1,
+        "old_logprobs", "old_logprobs[1] is a string"),
+    Bad("nan_in_an_ignored_field_beside_an_accepted_one", [tok(', "old_logprobs": [NaN, -1, -2], "score": NaN')], 1,
+        None, "NaN is not a JSON value"),
     Bad("old_logprobs_minus_infinity", [tok(', "old_logprobs": [0, -1, -Infinity]')], 1, "old_logprobs",
         "old_logprobs[2] = -inf"),
     Bad("ref_logprobs_null_element", [tok(', "ref_logprobs": [0, null, -1]')], 1, "ref_logprobs",
@@ -216,6 +232,36 @@ def test_plain_text_named_zst_is_rejected(tmp_path):
     _assert_file_error(path, "corrupted zstd")
 
 
+@pytest.mark.parametrize("name", ["trees.jsonl.ZST", "trees.jsonl.zstd", "trees"])
+def test_zstd_is_recognised_by_its_magic_number_whatever_the_name(tmp_path, name):
+    lines = [GOOD, '{"id": "b", "tokens": [4, 5, 6, 7]}']
+    path = tmp_path / name
+    path.write_bytes(zstandard.ZstdCompressor().compress(("\n".join(lines) + "\n").encode()))
+    packed = read_trees(path)
+    plain = read_trees(write(tmp_path, lines))
+    assert packed.ids == plain.ids == (0, "b")
+    np.testing.assert_array_equal(packed.tokens, plain.tokens)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_pipe_is_read_whole(tmp_path):
+    # `hartsc /dev/stdin` or `<(zcat ...)`: peeking at the first bytes for zstd's magic number would eat them
+    # (and reopening the drained pipe would wait for a writer forever, hence the reader's own thread).
+    lines = [GOOD, '{"id": "b", "tokens": [4, 5, 6, 7]}']
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    result = {}
+    reader = threading.Thread(target=lambda: result.update(batch=read_trees(fifo)), daemon=True)
+    reader.start()
+    fifo.write_text("\n".join(lines) + "\n")
+    reader.join(timeout=30)
+    if reader.is_alive():
+        fifo.write_text("")   # let the stuck reader finish
+    assert not reader.is_alive() and "batch" in result, "the pipe was not read in one pass"
+    assert result["batch"].ids == (0, "b")
+    np.testing.assert_array_equal(result["batch"].tokens, read_trees(write(tmp_path, lines)).tokens)
+
+
 def test_truncated_zstd_is_rejected_not_read_short(tmp_path):
     # Cut the stream at a line boundary's worth of data: without the frame-end
     # check this would silently read as a shorter valid file.
@@ -276,6 +322,10 @@ def test_string_and_int_ids(tmp_path):
                                         '{"id": -4, "tokens": [1, 2]}', '{"id": "", "tokens": [1, 2]}']))
     assert batch.ids == (3, "3a", -4, "")
     assert type(batch.ids[0]) is int and type(batch.ids[1]) is str
+    # The whole 64-bit range the plan can store (msgpack: int64 and uint64).
+    batch = read_trees(write(tmp_path, [f'{{"id": {2**64 - 1}, "tokens": [1, 2], "tree": {-2**63}}}',
+                                        f'{{"id": {-2**63}, "tokens": [1, 2]}}']))
+    assert batch.ids == (2**64 - 1, -2**63)
 
 
 def test_partial_old_logprobs_are_nan_where_absent(tmp_path):
@@ -289,6 +339,23 @@ def test_partial_old_logprobs_are_nan_where_absent(tmp_path):
     np.testing.assert_array_equal(batch.has_ref_logprobs, [False, False, True])
     np.testing.assert_array_equal(batch.old_logprobs, [0, -0.5, -1, np.nan, np.nan, 0, -3])
     np.testing.assert_array_equal(batch.ref_logprobs, [np.nan] * 5 + [0, -2])
+
+
+@pytest.mark.parametrize("name", ["trees.jsonl", "trees.jsonl.zst"])
+def test_logprobs_may_be_missing_where_no_loss_reads_them(tmp_path, name):
+    # What `harts run --logprobs-out` writes (NaN at index 0; with --logprobs loss, NaN wherever loss_mask
+    # is 0) passes back as old/ref log-probabilities, however the writer spelled NaN: null (orjson), the
+    # literal NaN (Python's json), or something else no float32 holds. Stored as 0.0: never read.
+    batch = read_trees(write(tmp_path, [
+        '{"id": "a", "tokens": [5, 6, 7, 8], "old_logprobs": [NaN, -1, -2, -3], "ref_logprobs": [null, -1, -2, -3]}',
+        '{"id": "b", "tokens": [5, 6, 7, 9], "loss_mask": [0, 0, 1, 1], "old_logprobs": [null, -Infinity, -2, -3], '
+        '"ref_logprobs": [1e39, NaN, -2.5, -3]}',
+        '{"id": "c", "tokens": [1, 2]}',
+    ], name))
+    assert_invariants(batch)
+    np.testing.assert_array_equal(batch.has_old_logprobs, [True, True, False])
+    np.testing.assert_array_equal(batch.old_logprobs, [0, -1, -2, -3, 0, 0, -2, -3, np.nan, np.nan])
+    np.testing.assert_array_equal(batch.ref_logprobs, [0, -1, -2, -3, 0, 0, -2.5, -3, np.nan, np.nan])
 
 
 def test_blank_lines_are_skipped_but_counted(tmp_path):

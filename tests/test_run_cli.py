@@ -4,11 +4,17 @@ Run: `python -m pytest tests/test_run_cli.py -q`.
 """
 from __future__ import annotations
 
+import contextlib
+import json
+
 import numpy as np
+import orjson
 import pytest
 from safetensors.numpy import load_file
 
 from harts.cli import main as harts
+from harts.compiler.cli import main as hartsc
+from harts.executor.cli import logprobs_bytes
 
 from run_workspace import make_run_workspace
 
@@ -43,6 +49,19 @@ def test_run_writes_logprobs_and_gradients(workspace, loss):
     assert all(np.isfinite(g).all() for g in grads.values())
 
 
+def test_logprobs_file_keeps_every_id(tmp_path):
+    # Ids are user strings: some spell np.savez's own parameters, others look like paths.
+    ids = ["file", "allow_pickle", "args", "kwds", "a/b", "../up", "x.npy", "\u00fcn\u00efcode", "7", ""]
+    logprobs = {key: np.array([np.nan, -float(i), -0.5], dtype=np.float32) for i, key in enumerate(ids)}
+    path = tmp_path / "lp.npz"
+    path.write_bytes(logprobs_bytes(logprobs))
+    with np.load(path) as loaded:
+        assert sorted(loaded.files) == sorted(ids)
+        for key, values in logprobs.items():
+            assert loaded[key].dtype == np.float32
+            np.testing.assert_array_equal(loaded[key], values)
+
+
 def test_expanded_and_no_replay_give_the_same_outputs(workspace):
     outputs = {}
     for flags in ([], ["--mode", "expanded"], ["--no-replay"]):
@@ -74,6 +93,31 @@ def test_loss_positions_only(workspace):
     np.testing.assert_allclose(only["a"][1:], every["a"][1:], atol=1e-6)
     for key, value in g_every.items():
         np.testing.assert_allclose(g_only[key], value, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("spelling", ["json", "orjson"])
+def test_a_runs_logprobs_pass_back_as_old_logprobs(workspace, spelling):
+    """PPO's usual loop: the behaviour policy's log-probabilities, written by `harts run --logprobs loss`
+    (NaN where no loss reads), become the next step's old_logprobs as they are, whichever JSON writer
+    spells NaN (Python's json: the literal NaN; orjson: null). Same policy, so every ratio is 1 and the
+    ppo loss is minus the token mean of the trained advantages."""
+    folder = workspace / f"again-{spelling}"
+    folder.mkdir()
+    lp = folder / "behaviour.npz"
+    assert harts(["run", str(workspace / "step.plan"), "--model", str(workspace / "model"), "--forward-only",
+                  "--logprobs", "loss", "--logprobs-out", str(lp)]) == 0
+    behaviour = np.load(lp)
+    dumps = (lambda r: json.dumps(r)) if spelling == "json" else (lambda r: orjson.dumps(r).decode())
+    records = [{**r, "old_logprobs": behaviour[str(r["id"])].astype(float).tolist()} for r in TREES]
+    (folder / "trees.jsonl").write_text("".join(dumps(r) + "\n" for r in records))
+    assert hartsc([str(folder / "trees.jsonl"), "-o", str(folder / "step.plan"), "--chunk-size", "2"]) == 0
+    summary = folder / "summary.json"
+    with open(summary, "w") as out, contextlib.redirect_stdout(out):
+        assert harts(["run", str(folder / "step.plan"), "--model", str(workspace / "model"), "--loss", "ppo",
+                      "--forward-only", "--json"]) == 0
+    trained = [(r["advantages"], m) for r in TREES for m in (r.get("loss_mask") or [1] * len(r["tokens"]))[1:]]
+    expected = -sum(a for a, m in trained if m) / sum(m for _, m in trained)
+    assert json.loads(summary.read_text())["loss"] == pytest.approx(expected, abs=1e-5)
 
 
 def test_bad_model_directory_is_one_line(workspace, tmp_path, capsys):

@@ -29,7 +29,7 @@ class WriteResult:
 
 
 def write_jsonl(records: Iterable[dict], path: str | os.PathLike) -> WriteResult:
-    """Write records as JSON lines to `path` atomically; a `.zst` suffix compresses.
+    """Write records as JSON lines to `path` atomically; a `.zst` suffix (any case) compresses.
 
     The file appears only when complete (temporary file in the same folder,
     then `os.replace`); on any error the temporary file is removed. Numpy
@@ -39,7 +39,7 @@ def write_jsonl(records: Iterable[dict], path: str | os.PathLike) -> WriteResult
     option = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
     count = num_tokens = 0
     with atomic_output(path) as raw:
-        if path.suffix == ".zst":
+        if path.suffix.lower() == ".zst":
             import zstandard
 
             out = zstandard.ZstdCompressor(level=3).stream_writer(raw, closefd=False)

@@ -12,6 +12,18 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def never_read(loss_mask: np.ndarray | None, num_tokens: int) -> np.ndarray:
+    """bool[num_tokens]: the positions of one trajectory no loss reads, index 0 and every loss_mask 0.
+
+    Old and reference log-probabilities there may be missing or not finite (null, NaN, -inf, beyond
+    float32: `harts run --logprobs-out` writes NaN at index 0, and with `--logprobs loss` at every
+    untrained position); readers store 0.0, so a run's output passes back as the next step's input.
+    """
+    unread = np.zeros(num_tokens, dtype=bool) if loss_mask is None else np.asarray(loss_mask) == 0
+    unread[0] = True
+    return unread
+
+
 @dataclass(frozen=True, slots=True)
 class TrajectoryBatch:
     """Validated trajectories of one training step.
@@ -22,7 +34,8 @@ class TrajectoryBatch:
     * `advantages` is float32 and finite (a per-trajectory scalar is broadcast);
     * `old_logprobs` / `ref_logprobs` are float32 or None; positions of
       trajectories that did not provide them are NaN and `has_old_logprobs`
-      / `has_ref_logprobs` say which did;
+      / `has_ref_logprobs` say which did; a trajectory that did has finite
+      values, 0.0 where it gave none a loss would read (`never_read`);
     * `ids` are unique; `lines` are the 1-based source line numbers.
     """
 
