@@ -49,6 +49,27 @@ def test_compile_stats_and_check(tmp_path, trees, capsys):
     assert harts_main(["check", str(plan), "--trees", str(trees)]) == 0
 
 
+@pytest.mark.parametrize("sidecar, says", [
+    (None, "no p.plan.timing.json beside the plan"),
+    ('{"planning_seconds": "oops"}', "holds no planning_seconds >= 0"),
+    ('{"planning_seconds": NaN}', "holds no planning_seconds >= 0"),
+    ("{", "holds no planning_seconds >= 0"),
+], ids=["missing", "a-string", "nan", "not-json"])
+def test_stats_says_why_planning_seconds_is_unknown(tmp_path, trees, capsys, sidecar, says):
+    plan = tmp_path / "p.plan"
+    assert hartsc_main([str(trees), "-o", str(plan), "--chunk-size", "4", "--capacity", "32"]) == 0
+    timing = tmp_path / "p.plan.timing.json"
+    timing.unlink()
+    if sidecar is not None:
+        timing.write_text(sidecar)
+    capsys.readouterr()
+    assert harts_main(["stats", str(plan), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["planning_seconds"] == 0
+    assert captured.err.startswith("harts stats: ") and says in captured.err
+    assert captured.err.endswith("; planning_seconds shown as 0 (unknown)\n") and captured.err.count("\n") == 1
+
+
 def test_same_input_and_flags_give_a_byte_identical_plan(tmp_path, trees):
     a, b = tmp_path / "a.plan", tmp_path / "b.plan"
     for out in (a, b):

@@ -11,14 +11,26 @@ from harts.schema.plan import read_plan
 from harts.schema.summary import plan_statistics
 
 
-def read_planning_seconds(plan_path: str) -> float | None:
-    """hartsc records timing beside the plan (`PLAN.timing.json`) to keep the plan deterministic."""
+def read_planning_seconds(plan_path: str) -> tuple[float | None, str]:
+    """hartsc records timing beside the plan (`PLAN.timing.json`) to keep the plan deterministic.
+
+    Returns (seconds, "") or (None, why there is no usable number: missing, unreadable or malformed).
+    """
     path = Path(plan_path)
     sidecar = path.with_name(path.name + ".timing.json")
     try:
-        return float(json.loads(sidecar.read_text())["planning_seconds"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        text = sidecar.read_text()
+    except FileNotFoundError:
+        return None, f"no {sidecar.name} beside the plan"
+    except OSError as err:
+        return None, f"cannot read {sidecar.name} ({err.strerror or err})"
+    try:
+        seconds = json.loads(text)["planning_seconds"]
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
+            raise ValueError
+    except (ValueError, KeyError, TypeError):
+        return None, f"{sidecar.name} holds no planning_seconds >= 0 (not hartsc's timing record)"
+    return float(seconds), ""
 
 
 def format_table(stats: dict) -> str:
@@ -40,11 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     except HartsError as err:
         print(f"harts stats: {err}", file=sys.stderr)
         return err.exit_code
-    seconds = read_planning_seconds(args.plan)
+    seconds, why = read_planning_seconds(args.plan)
     stats = plan_statistics(plan, seconds if seconds is not None else 0.0)
     if seconds is None:
-        print(f"harts stats: no {Path(args.plan).name}.timing.json beside the plan; planning_seconds shown as 0",
-              file=sys.stderr)
+        # The contract's keys are all numbers: 0 stands for "unknown", and this line says so.
+        print(f"harts stats: {why}; planning_seconds shown as 0 (unknown)", file=sys.stderr)
     print(json.dumps(stats, sort_keys=True) if args.json else format_table(stats))
     return 0
 

@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         output = check_output_path(args.output, inputs=[args.plan])
         plan = read_plan(args.plan)
         require_valid_plan(args.plan, plan)   # the plots index the plan's tables
-        page = render_report(plan, Path(args.plan).name, args.tree, read_planning_seconds(args.plan))
+        page = render_report(plan, Path(args.plan).name, args.tree, read_planning_seconds(args.plan)[0])
         atomic_write_bytes(output, page.encode("utf-8"))
     except HartsError as err:
         print(f"harts viz: {err}", file=sys.stderr)
