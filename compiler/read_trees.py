@@ -35,6 +35,7 @@ element, to name the first offending index. See `benchmarks/bench_read.py`.
 """
 from __future__ import annotations
 
+import array as pyarray
 import json
 import math
 import os
@@ -420,12 +421,12 @@ def _parse_loss_mask(value, num_tokens: int, where: _Where, may_hold_bool: bool)
         raise where.error("loss_mask", f"expected a list of 0/1, found {_describe(value)}", fix)
     if len(value) != num_tokens:
         raise where.error("loss_mask", f"has {len(value)} entries but tokens has {num_tokens}", fix)
-    array = _int_array(value, may_hold_bool)
-    if array is None or array.min() < 0 or array.max() > 1:
+    array = _flag_array(value, may_hold_bool)
+    if array is None or array.max() > 1:
         for i, x in enumerate(value):
             if type(x) is not int or x not in (0, 1):
                 raise where.error("loss_mask", f"loss_mask[{i}] is {_describe(x)}, expected 0 or 1", fix)
-    return array.astype(np.uint8)
+    return array.copy()
 
 
 def _parse_advantages(value, num_tokens: int, where: _Where, may_hold_bool: bool) -> float | np.ndarray:
@@ -523,23 +524,37 @@ def _numeric_array(value: list) -> np.ndarray | None:
 
 
 def _int_array(value: list, may_hold_bool: bool) -> np.ndarray | None:
-    """`value` as a 1-D numpy integer array, or None if any element is not a JSON int.
+    """`value` as a 1-D int64 array, or None if any element is not a JSON int (or is beyond 64 bits).
 
-    numpy's own dtype discovery does the type check in C: any float, string,
-    null or nested list yields a non-integer dtype or an exception. The one
-    case it hides, bools mixed with ints, is checked only when the raw line
-    could hold a bool. (An explicit int64 dtype plus a `sum()` type check was
-    measured no faster on whole files, so the plainer form stays.)
+    `array.array("q", ...)` (`pyarray`) converts in C and refuses, by raising, any float,
+    string, null or nested list: the type check and the conversion are one
+    pass, about twice as fast as `np.array` (which must first discover a
+    dtype). The one case it hides, bools mixed with ints, is checked only when
+    the raw line could hold a bool. An int in [2**63, 2**64) also gives None;
+    the callers' element walk names it as out of range.
     """
     try:
-        array = np.array(value)
-    except (ValueError, TypeError, OverflowError):
-        return None
-    if array.ndim != 1 or array.dtype.kind not in "iu":
+        packed = pyarray.array("q", value)
+    except (TypeError, OverflowError):
         return None
     if may_hold_bool and _holds_bool(value):
         return None
-    return array
+    return np.frombuffer(packed, dtype=np.int64)
+
+
+def _flag_array(value: list, may_hold_bool: bool) -> np.ndarray | None:
+    """`value` as a 1-D uint8 array, or None unless every element is a JSON int in [0, 255].
+
+    `bytes(list)` converts and range-checks in C, several times faster than
+    `np.array` on a list of small ints (a loss_mask is as long as its tokens).
+    """
+    try:
+        packed = bytes(value)
+    except (TypeError, ValueError):
+        return None
+    if may_hold_bool and _holds_bool(value):
+        return None
+    return np.frombuffer(packed, dtype=np.uint8)
 
 
 def _holds_bool(value: list) -> bool:
