@@ -634,18 +634,13 @@ def _assemble(source: str, trajectories: list[_Trajectory],
     token_arrays.clear()  # the per-line copies are dead from here on; free them before allocating more
 
     loss_mask = np.ones(num_tokens, dtype=np.uint8)
-    scalar_advantages = np.zeros(n, dtype=np.float32)
-    per_token_advantages = []
-    for k, t in enumerate(trajectories):
+    # Filled slice by slice (a scalar fills like memset): np.repeat of per-trajectory values
+    # costs ~10 ns per token, half a second on a paper-scale step.
+    advantages = np.empty(num_tokens, dtype=np.float32)
+    for t, start, end in zip(trajectories, offsets[:-1].tolist(), offsets[1:].tolist()):
         if t.loss_mask is not None:
-            loss_mask[offsets[k]:offsets[k + 1]] = t.loss_mask
-        if isinstance(t.advantages, np.ndarray):
-            per_token_advantages.append(k)
-        else:
-            scalar_advantages[k] = t.advantages
-    advantages = np.repeat(scalar_advantages, lengths)
-    for k in per_token_advantages:
-        advantages[offsets[k]:offsets[k + 1]] = trajectories[k].advantages
+            loss_mask[start:end] = t.loss_mask
+        advantages[start:end] = t.advantages
 
     has_old = np.fromiter((t.old_logprobs is not None for t in trajectories), dtype=bool, count=n)
     has_ref = np.fromiter((t.ref_logprobs is not None for t in trajectories), dtype=bool, count=n)
