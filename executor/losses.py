@@ -128,22 +128,34 @@ class PositionMeta:
     advantages: torch.Tensor
     old_logprobs: torch.Tensor | None   # NaN where a trajectory gave none
     ref_logprobs: torch.Tensor | None
-    # Some trained position has no old log-probability (old_logprobs None, or NaN where weight > 0).
-    # Known on the host where the metadata is built; testing it on the device would wait for it.
-    old_missing: bool
+
+
+def check_objective_inputs(old_logprobs, ref_logprobs, weights: np.ndarray, config: LossConfig) -> None:
+    """Refuse, before anything runs, a step the objective cannot be computed on (UsageError).
+
+    `old_logprobs` / `ref_logprobs` are the step's flat arrays (None when no trajectory gave them, NaN
+    where one did not) and `weights` its `position_weights`. ppo needs an old log-probability at every
+    trained position (grpo treats a missing one as on-policy); a KL term needs reference
+    log-probabilities somewhere. Checked on the whole step, not per microbatch: a refusal after some
+    microbatches' backward would leave their gradients behind, and every data-parallel rank refuses alike.
+    """
+    if config.kind == "ppo" and (old_logprobs is None or np.isnan(np.asarray(old_logprobs)[weights > 0]).any()):
+        raise UsageError("loss 'ppo' needs old_logprobs for every trained position; "
+                         "fix: give old_logprobs in trees.jsonl, or use --loss grpo (on-policy)")
+    if config.kind != "nll" and config.kl_coef and ref_logprobs is None:
+        raise UsageError(f"--kl-coef {config.kl_coef} needs ref_logprobs, but the step has none; "
+                         "fix: give ref_logprobs in trees.jsonl, or drop --kl-coef")
 
 
 def policy_loss(logprobs_P: torch.Tensor, meta: PositionMeta, config: LossConfig) -> torch.Tensor:
     """This microbatch's share of the step loss: sum over its positions of weight x term
-    (`config` is valid: LossConfig checks its fields on construction)."""
+    (`config` is valid: LossConfig checks its fields on construction; the step passed
+    `check_objective_inputs`)."""
     lam = logprobs_P.to(torch.float64)
     weight = meta.weight.to(torch.float64)
     if config.kind == "nll":
         per_position = -lam
     else:
-        if meta.old_missing and config.kind == "ppo":
-            raise UsageError("loss 'ppo' needs old_logprobs for every trained position; "
-                             "fix: give old_logprobs in trees.jsonl, or use --loss grpo (on-policy)")
         # grpo without an old log-probability is on-policy (ratio 1). Untrained positions get ratio 1 too,
         # whatever they hold: weight 0 would not cancel an inf or NaN ratio there, in the loss or its gradient.
         old = _where_trained(meta.old_logprobs, weight, lam.detach())
@@ -151,10 +163,7 @@ def policy_loss(logprobs_P: torch.Tensor, meta: PositionMeta, config: LossConfig
         adv = meta.advantages.to(torch.float64)
         clipped = torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
         per_position = -torch.minimum(ratio * adv, clipped * adv)
-        if config.kl_coef:
-            if meta.ref_logprobs is None:
-                raise UsageError(f"--kl-coef {config.kl_coef} needs ref_logprobs, but the step has none; "
-                                 "fix: give ref_logprobs in trees.jsonl, or drop --kl-coef")
+        if config.kl_coef:   # check_objective_inputs made sure the step has ref_logprobs
             # Trajectories that gave no reference contribute no KL term (delta = 0), nor do untrained positions.
             delta = _where_trained(meta.ref_logprobs, weight, lam.detach()) - lam
             per_position = per_position + config.kl_coef * (torch.exp(delta) - delta - 1.0)

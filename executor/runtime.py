@@ -16,13 +16,14 @@ import numpy as np
 import torch
 
 from harts.executor.layout import MODES, build_layout, expanded_groups
-from harts.executor.losses import LOGPROB_POSITIONS, LossConfig, PositionMeta, policy_loss, position_weights
+from harts.executor.losses import (LOGPROB_POSITIONS, LossConfig, PositionMeta, check_objective_inputs, policy_loss,
+                                    position_weights)
 from harts.executor.models.moe import MoEStatistics
 from harts.executor.models.registry import runner_for
 from harts.executor.ops.logprobs import position_logprobs
 from harts.executor.ops.transfer import to_device
 from harts.executor.windows import WindowSchedule
-from harts.schema.errors import HartsError, UsageError
+from harts.schema.errors import UsageError
 from harts.schema.plan import Plan
 from harts.schema.runs import expand_runs
 
@@ -50,12 +51,9 @@ def _meta(plan: Plan, flat: np.ndarray, weights: np.ndarray, device: torch.devic
     weight = weights[flat]
     keys = [key for key in ("advantages", "old_logprobs", "ref_logprobs") if step.get(key) is not None]
     values = {key: np.asarray(step[key], dtype=np.float64)[flat] for key in keys}
-    old = values.get("old_logprobs")
-    old_missing = old is None or bool(np.isnan(old[weight > 0]).any())
     moved = dict(zip(["weight", *keys], to_device([weight, *values.values()], device)))
     return PositionMeta(weight=moved["weight"], advantages=moved.get("advantages"),
-                        old_logprobs=moved.get("old_logprobs"), ref_logprobs=moved.get("ref_logprobs"),
-                        old_missing=old_missing)
+                        old_logprobs=moved.get("old_logprobs"), ref_logprobs=moved.get("ref_logprobs"))
 
 
 def windows_runnable(plan: Plan) -> bool:
@@ -79,7 +77,7 @@ def check_model_fits(plan: Plan, model) -> None:
                    if row in expand_runs(mb["run_row_start"][runs[j]:runs[j + 1]], mb["run_length"][runs[j]:runs[j + 1]])),
                   None)   # None only in a plan that breaks its invariants (harts run --no-check)
     where = "" if member is None else f"trajectory {plan.step['ids'][int(mb['member_trajectory'][member])]!r}: "
-    raise HartsError(f"{where}token {largest} at position {int(mb['row_position'][row])} is "
+    raise UsageError(f"{where}token {largest} at position {int(mb['row_position'][row])} is "
                      f"outside the model's vocabulary of {vocab} entries; fix: compile with --vocab-size to "
                      "catch this early, or use a model with a larger vocabulary")
 
@@ -124,6 +122,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     flat_logprobs = np.full(int(offsets[-1]), np.nan, dtype=np.float32)
     # Reduction weights over the whole step: identical whichever microbatch or rank a position runs on.
     weights = position_weights(plan.step["loss_mask"], offsets, loss.reduction)
+    check_objective_inputs(plan.step.get("old_logprobs"), plan.step.get("ref_logprobs"), weights, loss)
     top_k = runner.top_k
     total_loss, aux_total, z_total, rows = 0.0, 0.0, 0.0, 0
     loads: dict = {}

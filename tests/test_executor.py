@@ -13,9 +13,11 @@ Run: `python -m pytest tests/test_executor.py -q` (about a minute on 2 cores).
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import harts.api as api
 from harts.executor.losses import LossConfig
 from harts.executor.runtime import run_step
 
@@ -50,6 +52,24 @@ def test_ppo_without_old_logprobs_is_a_clear_error(model):
     plan = compile_lists([[5, 6, 7], [5, 6, 8]])
     with pytest.raises(ValueError, match="needs old_logprobs"):
         run_step(plan, model, loss=LossConfig("ppo"))
+
+
+def test_a_step_the_objective_cannot_use_is_refused_before_any_gradient(model):
+    # The last of three microbatches lacks old log-probabilities: ppo must refuse the step before the
+    # first backward, or the caller's .grad would hold part of a step it was told failed.
+    plan = api.compile_trajectories([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]], capacity=4,
+                                    old_logprobs=[[0.0, -1.0, -1.0, -1.0]] * 2 + [None])
+    assert len(plan.microbatches) == 3
+    before = {name: torch.full_like(p, 7.0) for name, p in model.named_parameters()}
+    for name, p in model.named_parameters():
+        p.grad = before[name].clone()
+    with pytest.raises(ValueError, match="needs old_logprobs"):
+        run_step(plan, model, loss=LossConfig("ppo"))
+    with pytest.raises(ValueError, match="needs ref_logprobs"):
+        run_step(plan, model, loss=LossConfig("grpo", kl_coef=0.1))
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, before[name]), name
+    model.zero_grad(set_to_none=True)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

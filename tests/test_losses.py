@@ -75,8 +75,7 @@ def test_untrained_positions_cannot_poison_the_loss_or_its_gradient(kind, junk):
 
     def loss_of(keep):
         meta = PositionMeta(weight=torch.tensor(weights[keep]), advantages=torch.linspace(-1, 1, len(MASK))[keep],
-                            old_logprobs=torch.tensor(old[keep]), ref_logprobs=torch.tensor(ref[keep]),
-                            old_missing=False)
+                            old_logprobs=torch.tensor(old[keep]), ref_logprobs=torch.tensor(ref[keep]))
         return policy_loss(logprobs[keep], meta, LossConfig(kind=kind, kl_coef=0.1))
 
     loss = loss_of(np.ones(len(MASK), dtype=bool))
