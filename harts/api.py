@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from harts.compiler.ir.trajectories import TrajectoryBatch, never_read
-from harts.compiler.pipeline import CompileOptions, compile_batch
+from harts.compiler.pipeline import CompileOptions, check_options, compile_batch
 from harts.executor.losses import LossConfig
 from harts.executor.runtime import StepResult, run_step
 from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
@@ -47,7 +47,11 @@ def _per_token(values, lengths, name, dtype) -> list[np.ndarray]:
     """One array per trajectory, each exactly as long as its tokens (one clear error otherwise)."""
     if len(values) != len(lengths):
         raise ValueError(f"{name}: {len(values)} entries for {len(lengths)} trajectories; fix: give one per trajectory")
-    arrays = [_as_numpy(v, dtype) for v in values]
+    arrays = [_as_numpy(v) for v in values]
+    for i, a in enumerate(arrays):
+        if a.dtype == bool and name != "loss_masks":   # a bool mask is natural; a bool advantage is a slip
+            raise ValueError(f"trajectory {i}: {name} holds booleans; fix: give numbers (e.g. .float() first)")
+    arrays = [a.astype(dtype) for a in arrays]
     for i, (a, n) in enumerate(zip(arrays, lengths)):
         if a.ndim != 1 or len(a) != n:
             raise ValueError(f"trajectory {i}: {name} has shape {a.shape} but tokens has {n}; "
@@ -57,11 +61,17 @@ def _per_token(values, lengths, name, dtype) -> list[np.ndarray]:
 
 def _flat(values, lengths, name, unread: list[np.ndarray] | None = None) -> np.ndarray | None:
     """Per-token floats as one float32 array; every value finite, except at the positions `unread[i]` of
-    trajectory i, where anything is stored as 0.0."""
+    trajectory i, where anything is stored as 0.0. With `unread` (old and reference log-probabilities)
+    an entry may be None: that trajectory gave none, stored as NaN as `read_trees` stores it."""
     if values is None:
         return None
+    missing = [unread is not None and v is None for v in values]
+    if len(values) == len(lengths):
+        values = [np.full(n, np.nan) if gone else v for v, gone, n in zip(values, missing, lengths)]
     arrays = _per_token(values, lengths, name, np.float64)
     for i, a in enumerate(arrays):
+        if missing[i]:
+            continue
         if unread is not None:
             # Positions no loss reads (`never_read`): StepResult.logprobs holds NaN at index 0, and with
             # logprobs="loss" wherever loss_mask is 0, so a run's log-probabilities pass back as they are.
@@ -107,8 +117,13 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
 
     Checks what the file reader checks, raising `ValueError` with a fix:
     token ids are integers in [0, vocab_size), masks are 0/1 and every
-    per-token list is as long as its tokens, floats are finite.
+    per-token list is as long as its tokens, floats are finite. Options are
+    checked first, as `hartsc` checks its flags (a `PassFailedError`, which is
+    a `ValueError` too).
     """
+    options = CompileOptions(dp=dp, capacity=capacity, chunk_size=chunk_size, vocab_size=vocab_size, levels=levels,
+                             pairs_per_token=pairs_per_token, max_window_slots=max_window_slots)
+    check_options(options)
     _check_tokens(tokens, vocab_size)
     lengths = [len(t) for t in tokens]
     if ids is not None and (len(ids) != len(lengths) or len(set(map(str, ids))) != len(lengths)):
@@ -135,18 +150,16 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
               for start, end in zip(batch.token_offsets[:-1].tolist(), batch.token_offsets[1:].tolist())]
     for name, values in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
         flat = _flat(values, lengths, name, unread)
-        if flat is not None:
+        given = None if values is None else np.array([v is not None for v in values], dtype=bool)
+        if flat is not None and given.any():   # None for every trajectory: as if not given at all
             updates[name] = flat
-            updates[f"has_{name}"] = np.ones(len(lengths), dtype=bool)
+            updates[f"has_{name}"] = given
     if updates:
         batch = replace(batch, **updates)
     if max(lengths) > capacity:
         raise ValueError(f"a trajectory has {max(lengths)} tokens, more than capacity {capacity}; "
                          "fix: raise capacity or truncate it")
-    return compile_batch(batch, CompileOptions(dp=dp, capacity=capacity, chunk_size=chunk_size,
-                                               vocab_size=vocab_size, levels=levels,
-                                               pairs_per_token=pairs_per_token,
-                                               max_window_slots=max_window_slots)).plan
+    return compile_batch(batch, options).plan
 
 
 def read_plan(path, *, check: bool = True) -> Plan:

@@ -54,8 +54,13 @@ class VerificationError(HartsError):
         super().__init__(f"invariant '{invariant}' violated: {detail}")
 
 
-class PassFailedError(HartsError):
-    """A compiler pass could not produce a legal result (e.g. no partition fits capacity)."""
+class PassFailedError(HartsError, ValueError):
+    """A compiler pass could not produce a legal result (e.g. no partition fits capacity), or an option is
+    out of range (reported as pass 'options').
+
+    Always a conflict between the caller's options and the input, so a `ValueError` for Python callers
+    (`harts.api.compile_trajectories`), as `UsageError` is.
+    """
 
     def __init__(self, pass_name: str, problem: str, fix: str):
         self.pass_name = pass_name

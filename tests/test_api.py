@@ -28,8 +28,17 @@ TOKENS = [[1, 2, 3], [1, 2, 4]]
     (dict(tokens=TOKENS, advantages=[1.0]), "advantages: 1 entries"),
     (dict(tokens=TOKENS, ids=["a", "a"]), "unique"),
     (dict(tokens=TOKENS, capacity=2), "more than capacity"),
+    (dict(tokens=TOKENS, advantages=[True, False]), "advantages holds booleans"),
+    (dict(tokens=TOKENS, old_logprobs=[[0.0, -1.0, -1.0], [False, True, True]]), "old_logprobs holds booleans"),
+    (dict(tokens=TOKENS, dp=0), "--dp must be >= 1"),
+    (dict(tokens=TOKENS, chunk_size=0), "--chunk-size must be >= 1"),
+    (dict(tokens=TOKENS, levels="l3"), "unknown levels"),
+    (dict(tokens=TOKENS, vocab_size=0), "--vocab-size must be >= 1"),
+    # Three unrelated trajectories that fit only one per microbatch cannot fill 2 replicas equally.
+    (dict(tokens=[[1] * 12, [2] * 37, [3] * 37], dp=2, capacity=41), "e.g. 1 or 3"),
 ], ids=["negative", "float", "short", "vocab", "mask-length", "mask-value", "nan", "nan-advantage", "empty",
-        "advantages", "ids", "capacity"])
+        "advantages", "ids", "capacity", "bool-advantages", "bool-logprobs", "dp-0", "chunk-0", "levels", "vocab-0",
+        "dp-cannot-fill"])
 def test_bad_batches_are_value_errors_with_a_fix(kwargs, words):
     tokens = kwargs.pop("tokens")
     with pytest.raises(ValueError, match=words) as info:
@@ -55,6 +64,15 @@ def test_a_runs_logprobs_pass_back_with_nan_where_no_loss_reads():
     with pytest.raises(ValueError, match=r"old_logprobs\[1\] = nan .* where loss_mask is 0"):
         api.compile_trajectories(TOKENS, loss_masks=[[1, 1, 1], [0, 1, 1]],
                                  old_logprobs=[[nan, -1.0, -2.0], [nan, nan, -3.0]])
+
+
+def test_some_trajectories_may_give_no_logprobs():
+    """None for a trajectory is a trees.jsonl line without the field: NaN there, has_* False."""
+    plan = api.compile_trajectories(TOKENS + [[5, 6, 7]], old_logprobs=[[0.0, -1.0, -1.0], None, [0.0, -2.0, -2.0]],
+                                    ref_logprobs=[None, None, None])
+    np.testing.assert_array_equal(plan.step["has_old_logprobs"], [True, False, True])
+    np.testing.assert_array_equal(plan.step["old_logprobs"], [0, -1, -1, np.nan, np.nan, np.nan, 0, -2, -2])
+    assert plan.step.get("ref_logprobs") is None and not any(plan.step["has_ref_logprobs"])
 
 
 def test_torch_tensors_of_any_dtype_give_the_plan_of_lists():

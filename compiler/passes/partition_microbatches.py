@@ -136,10 +136,15 @@ def partition_microbatches(lengths, lcp, *, capacity: int, dp: int, options: L1O
             decisions.append("greedy: no plan could be aligned to a multiple of dp")
 
     if not candidates:
+        # Any count K in [len(natural), n] is reachable by splitting contiguous groups (a sub-run of a
+        # group fits whenever the group does), so exactly the dps with a multiple there work.
+        working = [d for d in range(1, n + 1) if -(-len(natural) // d) * d <= n]
+        nearest = sorted(sorted(working, key=lambda d: (abs(d - dp), d))[:4])
         raise PassFailedError(PASS_NAME, f"no partition of {n} trajectories into a multiple of {dp} non-empty "
-                                         f"microbatches fits capacity {capacity} (at least {len(natural)} contiguous "
-                                         f"groups are needed)",
-                              f"raise the capacity, or choose a dp with a multiple between {len(natural)} and {n}")
+                                         f"microbatches fits capacity {capacity} (at least {len(natural)} "
+                                         f"microbatches are needed, at most {n} can be non-empty)",
+                              f"raise the capacity, or use a dp with a multiple between {len(natural)} and {n}, "
+                              f"e.g. {' or '.join(map(str, nearest))}")
 
     best = None
     for index, candidate in enumerate(candidates):
