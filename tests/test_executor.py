@@ -54,6 +54,20 @@ def test_ppo_without_old_logprobs_is_a_clear_error(model):
         run_step(plan, model, loss=LossConfig("ppo"))
 
 
+def test_a_forward_under_inference_mode_does_not_break_later_training(model):
+    # Frameworks compute behaviour log-probabilities under torch.inference_mode(); nothing it creates may be
+    # cached and reused by a later training step of the same geometry (inference tensors cannot be saved
+    # for backward).
+    plan = api.compile_trajectories([list(range(3, 60)), list(range(3, 40))], advantages=[1.0, -1.0])
+    with torch.inference_mode():
+        behaviour = run_step(plan, model, backward=False)
+    trained = run_step(plan, model, loss=LossConfig("grpo"))
+    for key, values in behaviour.logprobs.items():
+        torch.testing.assert_close(torch.from_numpy(trained.logprobs[key]), torch.from_numpy(values), equal_nan=True)
+    assert all(torch.isfinite(g).all() for g in trained.grads.values())
+    model.zero_grad(set_to_none=True)
+
+
 def test_a_step_the_objective_cannot_use_is_refused_before_any_gradient(model):
     # The last of three microbatches lacks old log-probabilities: ppo must refuse the step before the
     # first backward, or the caller's .grad would hold part of a step it was told failed.

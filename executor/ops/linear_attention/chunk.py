@@ -303,8 +303,12 @@ def round_layout(host: RoundHost, chunk_size: int, device: torch.device) -> "_Ro
 @functools.lru_cache(maxsize=ROUND_LAYOUT_CACHE)
 def _cached_layout(seq_starts: tuple, export_seq: tuple, export_chunk: tuple, chunk_size: int,
                    device: torch.device) -> "_RoundLayout":
-    return _RoundLayout(np.asarray(seq_starts, dtype=np.int64), np.asarray(export_seq, dtype=np.int64),
-                        np.asarray(export_chunk, dtype=np.int64), chunk_size, device)
+    # Built as ordinary tensors even when the first call runs under torch.inference_mode(): cached
+    # inference tensors would make every later training call with this geometry fail ("Inference
+    # tensors cannot be saved for backward"). Ordinary tensors serve both modes.
+    with torch.inference_mode(False):
+        return _RoundLayout(np.asarray(seq_starts, dtype=np.int64), np.asarray(export_seq, dtype=np.int64),
+                            np.asarray(export_chunk, dtype=np.int64), chunk_size, device)
 
 
 class _RoundLayout:
