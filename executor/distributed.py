@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from harts.executor.runtime import trainable_gradients
 from harts.schema.errors import HartsError
 
 
@@ -74,10 +75,12 @@ def all_reduce_result(result, model) -> None:
     """
     device = next(model.parameters()).device
     for p in model.parameters():
+        if not p.requires_grad:   # frozen on every rank alike: nothing to reduce
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad)
-    result.grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    result.grads = trainable_gradients(model)
     sums = torch.tensor([result.loss, result.objective, result.moe_aux_loss, result.moe_z_loss, float(result.rows),
                          float(result.producers_run), float(result.producer_backward_passes)],
                         dtype=torch.float64, device=device)

@@ -139,12 +139,14 @@ def check_objective_inputs(old_logprobs, ref_logprobs, weights: np.ndarray, conf
     log-probabilities somewhere. Checked on the whole step, not per microbatch: a refusal after some
     microbatches' backward would leave their gradients behind, and every data-parallel rank refuses alike.
     """
-    if config.kind == "ppo" and (old_logprobs is None or np.isnan(np.asarray(old_logprobs)[weights > 0]).any()):
-        raise UsageError("loss 'ppo' needs old_logprobs for every trained position; "
-                         "fix: give old_logprobs in trees.jsonl, or use --loss grpo (on-policy)")
+    trained = weights > 0
+    if config.kind == "ppo" and trained.any() and (old_logprobs is None
+                                                   or np.isnan(np.asarray(old_logprobs)[trained]).any()):
+        raise UsageError("loss 'ppo' needs old_logprobs for every trained position; fix: give old_logprobs "
+                         "(in trees.jsonl, or to compile_trajectories), or use loss grpo (on-policy)")
     if config.kind != "nll" and config.kl_coef and ref_logprobs is None:
-        raise UsageError(f"--kl-coef {config.kl_coef} needs ref_logprobs, but the step has none; "
-                         "fix: give ref_logprobs in trees.jsonl, or drop --kl-coef")
+        raise UsageError(f"--kl-coef {config.kl_coef} needs ref_logprobs, but the step has none; fix: give "
+                         "ref_logprobs (in trees.jsonl, or to compile_trajectories), or set the KL weight to 0")
 
 
 def policy_loss(logprobs_P: torch.Tensor, meta: PositionMeta, config: LossConfig) -> torch.Tensor:

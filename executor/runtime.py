@@ -33,7 +33,7 @@ class StepResult:
     logprobs: dict                     # str(id) -> float32[n], NaN at index 0
     loss: float                        # the policy loss over the step (token-mean reduction)
     objective: float                   # what was differentiated: loss + MoE coefficients x their losses
-    grads: dict                        # parameter name -> tensor (empty without backward)
+    grads: dict                        # parameter name -> its .grad, trainable ones (empty without backward)
     moe_load: dict                     # layer -> float64[E] occurrence-weighted expert loads
     moe_aux_loss: float
     moe_z_loss: float
@@ -82,6 +82,14 @@ def check_model_fits(plan: Plan, model) -> None:
                      "catch this early, or use a model with a larger vocabulary")
 
 
+def trainable_gradients(model) -> dict:
+    """Parameter name -> its `.grad` itself (no copy: a model-sized buffer per step otherwise), for every
+    parameter that requires a gradient; one no row reached (an expert nobody was routed to) gets zeros.
+    Frozen parameters (LoRA bases, a frozen embedding) are left out rather than given zero tensors."""
+    return {name: p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+            for name, p in model.named_parameters() if p.requires_grad}
+
+
 def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = LossConfig(),
              backward: bool = True, microbatches: list[int] | None = None,
              pack_expanded: bool = True, recompute: bool = False, progress=None,
@@ -108,6 +116,10 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     in `StepResult.logprobs`), so the LM head skips the rows of prompts and
     tool outputs. Loss, gradients and MoE statistics are the same either way.
     """
+    if not hasattr(model, "config") and hasattr(model, "module"):
+        raise UsageError(f"the model is wrapped ({type(model).__name__}); fix: pass the Hugging Face model itself "
+                         "(model.module): HARTS splits data parallelism by the plan's replicas (torchrun ... harts "
+                         "run, or harts.executor.distributed; see docs/integration.md), not through a wrapper")
     if mode not in MODES:
         raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
     if logprobs not in LOGPROB_POSITIONS:
@@ -187,9 +199,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     logprobs = {str(ids[t]): flat_logprobs[offsets[t]:offsets[t + 1]].copy() for t in range(len(ids))}
     grads = {}
     if backward:
-        # Every parameter appears; one no row reached (an expert nobody was routed to) has a zero gradient.
-        grads = {name: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-                 for name, p in model.named_parameters()}
+        grads = trainable_gradients(model)
     objective_total = total_loss + loss.moe_aux_coef * aux_total + loss.moe_z_coef * z_total
     return StepResult(logprobs=logprobs, loss=total_loss, objective=objective_total, grads=grads, moe_load=loads, moe_aux_loss=aux_total,
                       moe_z_loss=z_total, seconds=time.perf_counter() - started, rows=rows + schedule.rows,

@@ -14,6 +14,10 @@ and returns a `Plan` (the same object `hartsc` writes to disk). `run` runs the
 plan's step through a loaded Hugging Face model, leaves the gradients of the
 step's loss in the model's `.grad` fields (as one `loss.backward()` over the
 whole step would) and returns per-trajectory log-probabilities and the loss.
+
+Errors: a bad argument or an argument the batch cannot satisfy is a
+`ValueError` (`UsageError` and `PassFailedError` are both); every error HARTS
+reports is a `HartsError`.
 """
 from __future__ import annotations
 
@@ -28,9 +32,11 @@ from harts.executor.runtime import StepResult, run_step
 from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
 from harts.schema.plan import Plan, write_plan
 from harts.schema.plan import read_plan as _read_plan_file
+from harts.schema.errors import HartsError, UsageError
 from harts.schema.plan_invariants import require_valid_plan
 
-__all__ = ["compile_trajectories", "run", "read_plan", "write_plan", "Plan", "StepResult", "LossConfig"]
+__all__ = ["compile_trajectories", "run", "read_plan", "write_plan", "Plan", "StepResult", "LossConfig",
+           "HartsError", "UsageError"]
 
 
 def _as_numpy(values, dtype=None) -> np.ndarray:

@@ -86,6 +86,36 @@ def test_a_step_the_objective_cannot_use_is_refused_before_any_gradient(model):
     model.zero_grad(set_to_none=True)
 
 
+def test_ppo_on_a_step_with_nothing_trained_needs_no_old_logprobs(model):
+    plan = api.compile_trajectories([[5, 6, 7], [5, 6, 8]], loss_masks=[[0, 0, 0], [0, 0, 0]])
+    result = run_step(plan, model, loss=LossConfig("ppo"))
+    assert result.loss == 0.0 and all(float(g.abs().max()) == 0.0 for g in result.grads.values())
+    model.zero_grad(set_to_none=True)
+
+
+def test_gradients_are_the_grad_tensors_of_trainable_parameters_only(model):
+    plan = api.compile_trajectories([[5, 6, 7, 8], [5, 6, 9]])
+    frozen = model.model.embed_tokens.weight
+    frozen.requires_grad_(False)
+    try:
+        result = run_step(plan, model)
+    finally:
+        frozen.requires_grad_(True)
+    named = dict(model.named_parameters())
+    assert "model.embed_tokens.weight" not in result.grads
+    assert set(result.grads) == {n for n, p in named.items() if p is not frozen}
+    # No model-sized copy: each entry is the parameter's .grad (zeros only where no row reached it).
+    assert all(g.data_ptr() == named[n].grad.data_ptr() for n, g in result.grads.items() if named[n].grad is not None)
+    model.zero_grad(set_to_none=True)
+
+
+def test_a_wrapped_model_is_one_clear_error(model):
+    wrapper = torch.nn.Module()
+    wrapper.module = model   # what DistributedDataParallel and similar wrappers look like
+    with pytest.raises(ValueError, match=r"wrapped \(Module\).*model\.module"):
+        run_step(api.compile_trajectories([[5, 6, 7]]), wrapper)
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(small_forests(), st.sampled_from([2, 4, 8]), st.integers(1, 2))
 def test_random_trees_compact_equals_expanded(model, lists, chunk_size, dp):
