@@ -93,7 +93,7 @@ def trainable_gradients(model) -> dict:
 def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = LossConfig(),
              backward: bool = True, microbatches: list[int] | None = None,
              pack_expanded: bool = True, recompute: bool = False, progress=None,
-             windows: bool = True, logprobs: str = "all") -> StepResult:
+             windows: bool = True, logprobs: str = "all", accumulate: bool = False) -> StepResult:
     """Forward (and backward) of the step's microbatches, in plan order (slot, replica; with
     windows, window by window and replica by replica).
 
@@ -110,6 +110,8 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     compact execution of the same microbatch. `recompute` turns on full-layer
     activation recomputation (same gradients, lower peak memory). `progress`,
     if given, wraps the microbatch loop (e.g. a tqdm bar).
+
+    `accumulate` adds the step's gradients to what `.grad` holds instead of zeroing it first.
 
     `logprobs` "all" recovers every position's log-probability; "loss" only
     those the objective weighs (loss_mask 1, position >= 1; the rest stay NaN
@@ -140,7 +142,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     loads: dict = {}
     finished = []   # per microbatch: (flat positions, logprobs, [loss, aux, z], expert loads), on the device
     times = []
-    if backward:
+    if backward and not accumulate:
         model.zero_grad(set_to_none=True)
     selected = range(len(plan.microbatches)) if microbatches is None else microbatches
     capacity = int(plan.flags["capacity"])

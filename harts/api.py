@@ -181,13 +181,15 @@ def read_plan(path, *, check: bool = True) -> Plan:
 
 def run(plan: Plan, model, *, loss: str | LossConfig = "nll", mode: str = "compact",
         backward: bool = True, recompute: bool = False, windows: bool = True,
-        logprobs: str = "all") -> StepResult:
+        logprobs: str = "all", accumulate: bool = False) -> StepResult:
     """Run the step on `model`. The parameters' `.grad` are zeroed first and then hold the
     gradient of the step's objective (as one backward over the whole step would leave them);
-    to accumulate over several plans, copy or sum `result.grads` between calls. `windows`
+    `accumulate` keeps what `.grad` holds and adds this step's gradient to it (several plans
+    into one optimizer step, in one process; each plan's loss is normalised over its own
+    positions, so weigh them with `LossConfig` coefficients or scale afterwards). `windows`
     False runs every consumer of a two-level plan without its producer's reuse. `logprobs`
     "loss" recovers only the positions the objective weighs (others NaN), so the LM head
     skips prompt and tool-output rows; loss and gradients are unchanged."""
     config = LossConfig(kind=loss) if isinstance(loss, str) else loss
     return run_step(plan, model, mode=mode, loss=config, backward=backward, recompute=recompute, windows=windows,
-                    logprobs=logprobs)
+                    logprobs=logprobs, accumulate=accumulate)

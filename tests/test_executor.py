@@ -109,6 +109,18 @@ def test_gradients_are_the_grad_tensors_of_trainable_parameters_only(model):
     model.zero_grad(set_to_none=True)
 
 
+def test_accumulate_adds_a_plans_gradient_to_what_grad_holds(model):
+    first = api.compile_trajectories([[5, 6, 7, 8], [5, 6, 9]], advantages=[1.0, -0.5])
+    second = api.compile_trajectories([[10, 11, 12], [10, 11, 13, 14]], advantages=[0.5, 2.0])
+    alone = [{n: g.clone() for n, g in run_step(plan, model, loss=LossConfig("grpo")).grads.items()}
+             for plan in (first, second)]
+    run_step(first, model, loss=LossConfig("grpo"))
+    summed = run_step(second, model, loss=LossConfig("grpo"), accumulate=True)
+    for name, grad in summed.grads.items():
+        torch.testing.assert_close(grad, alone[0][name] + alone[1][name], rtol=1e-6, atol=1e-9)
+    model.zero_grad(set_to_none=True)
+
+
 def test_a_wrapped_model_is_one_clear_error(model):
     wrapper = torch.nn.Module()
     wrapper.module = model   # what DistributedDataParallel and similar wrappers look like
