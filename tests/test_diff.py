@@ -106,3 +106,11 @@ def test_unreadable_plan_is_one_line_and_nonzero(plans, tmp_path, capsys):
     assert harts_main(["diff", str(plans["dp4"]), str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a HARTS plan" in err[0]
+
+
+def test_exit_code_says_whether_the_plans_differ(plans, capsys):
+    # Scripts asking "did the plan change?" get diff(1)'s answer only when they ask for it.
+    assert harts_main(["diff", str(plans["dp4"]), str(plans["dp4_again"]), "--exit-code"]) == 0
+    assert harts_main(["diff", str(plans["dp2"]), str(plans["dp4"]), "--exit-code"]) == 1
+    assert harts_main(["diff", str(plans["dp2"]), str(plans["dp4"]), "--exit-code", "--json"]) == 1
+    capsys.readouterr()

@@ -230,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object with every section, changed or not")
     parser.add_argument("--limit", type=int, default=20,
                         help="most moved trajectories or re-placed microbatches listed in the terminal (default 20)")
+    parser.add_argument("--exit-code", action="store_true",
+                        help="exit 1 when the plans' bytes differ and 0 when they are identical, as diff(1) does "
+                             "(default: 0 whenever both plans were read)")
     args = parser.parse_args(argv)
     try:
         data = []
@@ -247,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"a": args.plan_a, "b": args.plan_b, **result}, default=str))
     else:
         print(format_diff(result, args.plan_a, args.plan_b, max(args.limit, 0)))
-    return 0
+    return 1 if args.exit_code and not result["identical"] else 0
 
 
 if __name__ == "__main__":
