@@ -263,6 +263,13 @@ def model_backend(device: torch.device, plan, model) -> str:
     return select_backend(device, int(plan.flags["chunk_size"]), scalar_gate=scalar_gate)
 
 
+def _trains_anything(plan) -> bool:
+    """Some position i >= 1 of some trajectory has loss_mask 1."""
+    mask = np.asarray(plan.step["loss_mask"]).astype(bool)
+    mask[np.asarray(plan.step["token_offsets"][:-1], dtype=np.int64)] = False
+    return bool(mask.any())
+
+
 def report(args, mode: str, plan, result) -> None:
     """The summary line on stderr, and with --json the summary object on stdout."""
     original = int(plan.step["original_tokens"])
@@ -277,6 +284,10 @@ def report(args, mode: str, plan, result) -> None:
         if bad:
             print(f"harts run: warning: {', '.join(bad)} not finite (NaN or infinity), written as null in --json",
                   file=sys.stderr)
+    if not args.forward_only and not _trains_anything(plan):
+        # Legal (a batch whose every sample was filtered out), but a silent zero gradient is worth a line.
+        print("harts run: warning: no position of the step has loss_mask 1 (index 0 never counts): the loss is 0 "
+              "and every gradient is zero", file=sys.stderr)
     windows = f" ({result.producers_run} window producers)" if result.producers_run else ""
     print(f"harts run: {mode}: loss {result.loss:.6f}, {original} tokens through {result.rows} decoder rows{windows} in "
           f"{result.seconds:.2f}s ({summary['tokens_per_second']:.0f} tokens/s)", file=sys.stderr)

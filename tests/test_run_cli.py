@@ -120,6 +120,19 @@ def test_a_runs_logprobs_pass_back_as_old_logprobs(workspace, spelling):
     assert json.loads(summary.read_text())["loss"] == pytest.approx(expected, abs=1e-5)
 
 
+def test_a_step_that_trains_nothing_runs_with_a_warning(workspace, tmp_path, capsys):
+    trees = tmp_path / "masked.jsonl"
+    trees.write_text('{"id": 1, "tokens": [5, 6, 7], "loss_mask": [1, 0, 0]}\n'
+                     '{"id": 2, "tokens": [5, 6, 8], "loss_mask": [0, 0, 0]}\n')
+    assert hartsc([str(trees), "-o", str(tmp_path / "masked.plan"), "--chunk-size", "2"]) == 0
+    capsys.readouterr()
+    assert harts(["run", str(tmp_path / "masked.plan"), "--model", str(workspace / "model")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: no position of the step has loss_mask 1" in err and "loss 0.000000" in err
+    assert harts(["run", str(workspace / "step.plan"), "--model", str(workspace / "model")]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_bad_model_directory_is_one_line(workspace, tmp_path, capsys):
     assert harts(["run", str(workspace / "step.plan"), "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
