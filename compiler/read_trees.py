@@ -273,7 +273,9 @@ def _parse_line(line: bytes, where: _Where) -> tuple[_Trajectory, np.ndarray]:
     num_tokens = len(tokens)
     loss_mask = _parse_loss_mask(obj.get("loss_mask"), num_tokens, where, may_hold_bool)
     advantages = _parse_advantages(obj.get("advantages"), num_tokens, where, may_hold_bool)
-    unread = never_read(loss_mask, num_tokens)
+    # Only lines that give log-probabilities pay for the mask of positions no loss reads.
+    given = obj.get("old_logprobs") is not None or obj.get("ref_logprobs") is not None
+    unread = never_read(loss_mask, num_tokens) if given else None
     old_logprobs, old_literals = _parse_logprobs(obj.get("old_logprobs"), "old_logprobs", num_tokens, where,
                                                  may_hold_bool, unread)
     ref_logprobs, ref_literals = _parse_logprobs(obj.get("ref_logprobs"), "ref_logprobs", num_tokens, where,
@@ -477,7 +479,7 @@ def _parse_float_list(value, field: str, num_tokens: int, where: _Where,
 
 
 def _parse_logprobs(value, field: str, num_tokens: int, where: _Where, may_hold_bool: bool,
-                    unread: np.ndarray) -> tuple[np.ndarray | None, int]:
+                    unread: np.ndarray | None) -> tuple[np.ndarray | None, int]:
     """`old_logprobs` / `ref_logprobs`: `_parse_float_list`, except that positions no loss reads (`unread`:
     index 0, loss_mask 0) may hold null, NaN, an infinity or a number beyond float32, stored as 0.0.
 
@@ -487,7 +489,7 @@ def _parse_logprobs(value, field: str, num_tokens: int, where: _Where, may_hold_
     HARTS ignores, and the line is still not JSON. Only lists holding such a value take the slower path.
     """
     literals = 0
-    if type(value) is not list or len(value) != num_tokens:
+    if unread is None or type(value) is not list or len(value) != num_tokens:   # absent, or an error
         return _parse_float_list(value, field, num_tokens, where, may_hold_bool, _FIX_LOGPROBS), literals
     if may_hold_bool and _holds_bool(value):
         # An error (numpy would read the bool as a number, so it is found first): name it, not a value

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from harts.executor.layout import MODES
-from harts.executor.losses import LOGPROB_POSITIONS, LOSSES, REDUCTIONS, LossConfig
+from harts.executor.losses import LOGPROB_POSITIONS, LOSSES, REDUCTIONS, LossConfig, position_weights
 from harts.executor.models.registry import runner_class
 from harts.executor.ops.linear_attention.backend import select_backend
 from harts.progress import quiet_library_progress, terminal_progress
@@ -263,13 +263,6 @@ def model_backend(device: torch.device, plan, model) -> str:
     return select_backend(device, int(plan.flags["chunk_size"]), scalar_gate=scalar_gate)
 
 
-def _trains_anything(plan) -> bool:
-    """Some position i >= 1 of some trajectory has loss_mask 1."""
-    mask = np.asarray(plan.step["loss_mask"]).astype(bool)
-    mask[np.asarray(plan.step["token_offsets"][:-1], dtype=np.int64)] = False
-    return bool(mask.any())
-
-
 def report(args, mode: str, plan, result) -> None:
     """The summary line on stderr, and with --json the summary object on stdout."""
     original = int(plan.step["original_tokens"])
@@ -284,7 +277,8 @@ def report(args, mode: str, plan, result) -> None:
         if bad:
             print(f"harts run: warning: {', '.join(bad)} not finite (NaN or infinity), written as null in --json",
                   file=sys.stderr)
-    if not args.forward_only and not _trains_anything(plan):
+    offsets = np.asarray(plan.step["token_offsets"], dtype=np.int64)
+    if not args.forward_only and not position_weights(plan.step["loss_mask"], offsets, "token-mean").any():
         # Legal (a batch whose every sample was filtered out), but a silent zero gradient is worth a line.
         print("harts run: warning: no position of the step has loss_mask 1 (index 0 never counts): the loss is 0 "
               "and every gradient is zero", file=sys.stderr)
