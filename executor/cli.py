@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import io
 import json
 import math
@@ -144,7 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-windows", action="store_true",
                    help="run every consumer of an L1+L2 plan on its complete layout, without its window "
                         "producer's reuse (baseline; same results)")
-    p.add_argument("--loss", choices=LOSSES, default="nll", help="objective (default nll: token-mean NLL)")
+    p.add_argument("--loss", choices=LOSSES,
+                   help="objective (default nll: token-mean NLL; custom with --objective)")
+    p.add_argument("--objective", metavar="MODULE:FUNCTION",
+                   help="your own objective, FUNCTION(logprobs, inputs) -> this microbatch's share as a scalar "
+                        "tensor, from an importable module or a PATH.py (implies --loss custom; "
+                        "docs/integration.md#custom-objectives)")
     p.add_argument("--reduction", choices=REDUCTIONS, default="token-mean",
                    help="how per-position terms reduce over the step (default token-mean: divide by the step's "
                         "trained positions; seq-mean-token-mean: mean over trajectories of their token means; "
@@ -184,23 +191,63 @@ def flag_conflict(args) -> str | None:
     return None
 
 
-_POLICY_FLAGS = ("clip_low", "clip_high", "kl_coef")   # what grpo and ppo read and nll does not
+_POLICY_FLAGS = ("clip_low", "clip_high", "kl_coef")   # what grpo and ppo read and nll and custom do not
 
 
 def loss_config(args) -> LossConfig:
-    """The objective the flags ask for; UsageError (one line naming the flag) when a value is illegal, or when
-    `--loss nll` is given a clip or KL value other than the default (nll would ignore it)."""
+    """The objective the flags ask for; UsageError (one line naming the flag) when a value is illegal, when
+    `--loss nll` or a custom objective is given a clip or KL value other than the default (it would be
+    ignored), or when `--objective` cannot be loaded or contradicts `--loss`."""
+    if args.objective is not None and args.loss not in (None, "custom"):
+        raise UsageError(f"--objective replaces the built-in loss, but --loss {args.loss} asks for one; "
+                         "fix: drop --loss (or pass --loss custom)")
+    kind = args.loss or ("custom" if args.objective is not None else "nll")
     given = {name: getattr(args, name) for name in _POLICY_FLAGS if getattr(args, name) is not None}
-    config = LossConfig(kind=args.loss, moe_aux_coef=args.moe_aux_coef, moe_z_coef=args.moe_z_coef,
-                        reduction=args.reduction, **given)
+    objective = load_objective(args.objective) if args.objective is not None else None
+    config = LossConfig(kind=kind, moe_aux_coef=args.moe_aux_coef, moe_z_coef=args.moe_z_coef,
+                        reduction=args.reduction, objective=objective, **given)
     # A launcher may pass every flag with its default whatever the loss; only a value that would matter is refused.
     defaults = LossConfig()
     ignored = [name for name, value in given.items() if value != getattr(defaults, name)]
-    if config.kind == "nll" and ignored:
+    if kind in ("nll", "custom") and ignored:
         flag = "--" + ignored[0].replace("_", "-")
-        raise UsageError(f"{flag} has no effect with --loss nll (it shapes the grpo/ppo policy loss); "
-                         f"fix: drop {flag}, or pass --loss grpo or --loss ppo")
+        raise UsageError(f"{flag} has no effect with --loss {kind} (it shapes the grpo/ppo policy loss); "
+                         f"fix: drop {flag}" + (", or pass --loss grpo or --loss ppo" if kind == "nll"
+                                                 else " and apply it inside your objective"))
     return config
+
+
+def load_objective(spec: str):
+    """`--objective MODULE:FUNCTION` or `PATH.py:FUNCTION` as a callable; UsageError (one line) otherwise.
+
+    A dotted module is imported with the working directory on the path (as `python -m` would); a path is
+    loaded as a file, so a script next to the plan works without packaging.
+    """
+    fix = "fix: pass --objective MODULE:FUNCTION (importable) or --objective PATH.py:FUNCTION"
+    source, _, name = spec.rpartition(":")
+    if not source or not name.isidentifier():
+        raise UsageError(f"--objective {spec!r} is not MODULE:FUNCTION; {fix}")
+    try:
+        if source.endswith(".py") or os.sep in source:
+            if not os.path.isfile(source):
+                raise UsageError(f"--objective {spec!r}: no file {source}; {fix}")
+            module_spec = importlib.util.spec_from_file_location("harts_objective", source)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_spec.name] = module   # dataclasses and pickling look their module up there
+            module_spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(source)
+    except UsageError:
+        raise
+    except Exception as err:   # the user's module failed to import: one line that names it, not a traceback
+        raise UsageError(f"--objective {spec!r}: importing {source} failed: {type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''}; fix: make {source} importable") from err
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise UsageError(f"--objective {spec!r}: {source} has no callable {name}; {fix}")
+    return function
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,12 @@ losses gives the step loss and sharing rows changes nothing.
   plus `kl_coef` times the k3 estimator of KL(pi || ref),
   exp(ref - lambda) - (ref - lambda) - 1, where `ref_logprobs` are given.
 * `ppo`: the same surrogate; `old_logprobs` are required.
+* `custom`: `LossConfig.objective(logprobs, inputs)`, a function of the
+  caller's (`Objective`): any objective that is a sum over trajectories of a
+  term reading only that trajectory's positions and step-level constants
+  (a sequence-level ratio as in GSPO, a length penalty, a different clip).
+  Every trajectory lies whole in one microbatch, so summing the microbatch
+  shares gives the step objective and its gradient exactly.
 
 Reductions (`reduction`, the same for every objective; weights are computed over
 the whole step, so they never depend on how trajectories fall into microbatches):
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +41,7 @@ import torch
 
 from harts.schema.errors import UsageError
 
-LOSSES = ("nll", "grpo", "ppo")
+LOSSES = ("nll", "grpo", "ppo", "custom")
 REDUCTIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
@@ -44,20 +51,22 @@ class LossConfig:
 
     Invariants: `kind` in LOSSES, `reduction` in REDUCTIONS, 0 <= clip_low < 1
     (the lower clip bound 1 - clip_low stays positive, as a ratio is),
-    clip_high >= 0, the three coefficients finite and >= 0, and kl_coef 0
-    for nll (which has no KL term). A NaN or an
+    clip_high >= 0, the three coefficients finite and >= 0, kl_coef 0 for
+    nll and custom (which have no KL term), and `objective` a callable
+    exactly when kind is custom (the clip fields are then unused). A NaN or an
     infinity here would silently turn the loss and every gradient into NaN,
     so it is refused with a ValueError that names the field, its `harts run`
     flag and the fix.
     """
 
-    kind: str = "nll"          # nll | grpo | ppo
+    kind: str = "nll"          # nll | grpo | ppo | custom
     clip_low: float = 0.2      # eps_low: ratio clipped below at 1 - clip_low
     clip_high: float = 0.2     # eps_high: ratio clipped above at 1 + clip_high
     kl_coef: float = 0.0       # weight of the k3 KL estimate against ref_logprobs (0: off)
     moe_aux_coef: float = 0.0  # weight of the MoE load-balancing loss (0: reported only)
     moe_z_coef: float = 0.0    # weight of the router z-loss (0: reported only)
     reduction: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    objective: "Objective | None" = None   # kind custom: the caller's objective (`Objective`)
 
     def __post_init__(self) -> None:
         _check_choice("kind", "--loss", self.kind, LOSSES)
@@ -67,10 +76,18 @@ class LossConfig:
         _check_number("clip_high", self.clip_high, fix="pass --clip-high >= 0, e.g. 0.2 or 0.28")
         for name in ("kl_coef", "moe_aux_coef", "moe_z_coef"):
             _check_number(name, getattr(self, name), fix=f"pass {_flag(name)} >= 0 (0 turns the term off)")
-        if self.kind == "nll" and self.kl_coef:
-            raise UsageError(f"LossConfig.kl_coef (--kl-coef) = {self.kl_coef!r} has no effect with kind 'nll' "
-                             "(the KL term belongs to the grpo/ppo policy loss); fix: set kl_coef to 0, or pick "
-                             "kind 'grpo' or 'ppo'")
+        if self.kind in ("nll", "custom") and self.kl_coef:
+            raise UsageError(f"LossConfig.kl_coef (--kl-coef) = {self.kl_coef!r} has no effect with kind "
+                             f"'{self.kind}' (the KL term belongs to the grpo/ppo policy loss); fix: set kl_coef "
+                             "to 0" + (", or pick kind 'grpo' or 'ppo'" if self.kind == "nll"
+                                       else " and add the KL term inside your objective"))
+        if self.kind == "custom" and not callable(self.objective):
+            raise UsageError(f"LossConfig(kind='custom') needs objective, a callable (logprobs, inputs) -> scalar "
+                             f"tensor, got {self.objective!r}; fix: pass objective=your_function "
+                             "(harts run --objective MODULE:FUNCTION)")
+        if self.kind != "custom" and self.objective is not None:
+            raise UsageError(f"LossConfig.objective is given with kind '{self.kind}', which would ignore it; "
+                             "fix: pass kind='custom' to use your objective, or drop objective")
 
 
 def _flag(name: str) -> str:
@@ -98,6 +115,14 @@ def _check_number(name: str, value, *, fix: str, upper: float | None = None) -> 
 LOGPROB_POSITIONS = ("all", "loss")
 
 
+def trained_counts(weights: np.ndarray, token_offsets: np.ndarray) -> tuple[int, int]:
+    """(positions, trajectories) of the step that are trained: weight > 0, and holding such a position."""
+    trained = weights > 0
+    starts = np.asarray(token_offsets[:-1], dtype=np.int64)
+    per_trajectory = np.add.reduceat(trained, starts) if len(starts) else np.zeros(0, dtype=np.int64)
+    return int(trained.sum()), int((per_trajectory > 0).sum())
+
+
 def position_weights(loss_mask: np.ndarray, token_offsets: np.ndarray, reduction: str) -> np.ndarray:
     """Weight of every flat position of the step in the reduced loss (0 where not trained).
 
@@ -122,12 +147,35 @@ def position_weights(loss_mask: np.ndarray, token_offsets: np.ndarray, reduction
 
 @dataclass(frozen=True, slots=True)
 class PositionMeta:
-    """Per-position inputs of the objective (tensors of length P, float64 where real)."""
+    """The objective's per-position inputs for one microbatch: tensors of length P, on the model's device.
 
-    weight: torch.Tensor                # reduction weight per position (0: not trained)
-    advantages: torch.Tensor
-    old_logprobs: torch.Tensor | None   # NaN where a trajectory gave none
+    P covers whole trajectories: every position the run recovers (`run_step`'s
+    `logprobs`: all labelled ones, index >= 1, or only the trained ones) of
+    every trajectory the microbatch holds; no trajectory is split between
+    microbatches. Entries follow the order of the log-probabilities the
+    objective is given, not the step's flat order.
+    """
+
+    weight: torch.Tensor                # float64: the reduction's step-level weight (0: not trained)
+    advantages: torch.Tensor            # float64 (0 where the input gave none)
+    # float64 as given, NaN where a trajectory gave none (None when none did); where no built-in loss reads
+    # them (loss_mask 0) a null or non-finite input value is 0.0.
+    old_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor | None
+    trajectory: torch.Tensor            # int64: the trajectory's index in the step (plan.step["ids"] order)
+    position: torch.Tensor              # int64: the token's index within its trajectory (>= 1)
+    loss_mask: torch.Tensor             # float64 0/1, as given
+    # Step-level denominators (the whole step, every microbatch and rank alike): positions with weight > 0,
+    # and trajectories with at least one.
+    trained_positions: int
+    trained_trajectories: int
+
+
+# The caller's objective (`LossConfig(kind="custom", objective=...)`): this microbatch's share of the step
+# objective, a scalar tensor computed with torch operations on `logprobs` (float64 [P], differentiable).
+# NaN where `old_logprobs`/`ref_logprobs` were not given must be masked before use: weight 0 does not cancel
+# a NaN, in the value or in its gradient.
+Objective = Callable[[torch.Tensor, PositionMeta], torch.Tensor]
 
 
 def check_objective_inputs(old_logprobs, ref_logprobs, weights: np.ndarray, config: LossConfig) -> None:
@@ -150,11 +198,13 @@ def check_objective_inputs(old_logprobs, ref_logprobs, weights: np.ndarray, conf
 
 
 def policy_loss(logprobs_P: torch.Tensor, meta: PositionMeta, config: LossConfig) -> torch.Tensor:
-    """This microbatch's share of the step loss: sum over its positions of weight x term
-    (`config` is valid: LossConfig checks its fields on construction; the step passed
-    `check_objective_inputs`)."""
+    """This microbatch's share of the step loss: sum over its positions of weight x term, or the share the
+    caller's objective returns (`config` is valid: LossConfig checks its fields on construction; the step
+    passed `check_objective_inputs`)."""
     lam = logprobs_P.to(torch.float64)
     weight = meta.weight.to(torch.float64)
+    if config.kind == "custom":
+        return _custom_share(config.objective, lam, meta)
     if config.kind == "nll":
         per_position = -lam
     else:
@@ -170,6 +220,25 @@ def policy_loss(logprobs_P: torch.Tensor, meta: PositionMeta, config: LossConfig
             delta = _where_trained(meta.ref_logprobs, weight, lam.detach()) - lam
             per_position = per_position + config.kl_coef * (torch.exp(delta) - delta - 1.0)
     return (per_position * weight).sum()
+
+
+def _custom_share(objective: Objective, lam: torch.Tensor, meta: PositionMeta) -> torch.Tensor:
+    """The caller's objective on one microbatch, as a float64 scalar; a UsageError when what it returns
+    cannot be summed into the step objective, or would silently train nothing."""
+    value = objective(lam, meta)
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
+        got = (f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+               else f"a {type(value).__name__}")
+        raise UsageError(f"the custom objective returned {got}; fix: return this microbatch's share of the step "
+                         "objective as one floating-point tensor element (e.g. (terms * inputs.weight).sum())")
+    value = value.reshape(()).to(torch.float64)
+    if lam.requires_grad and not value.requires_grad:
+        if bool((meta.weight > 0).any()):
+            raise UsageError("the custom objective returned a value with no gradient path to the log-probabilities "
+                             "of a microbatch with trained positions (detached, or rebuilt from .item() or numpy); "
+                             "fix: compute it with torch operations on the logprobs tensor it is given")
+        value = value + lam.sum() * 0.0   # nothing trained here: a zero share that still runs the backward
+    return value
 
 
 def _where_trained(given: torch.Tensor | None, weight: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 from harts.executor.layout import MODES, build_layout, expanded_groups
 from harts.executor.losses import (LOGPROB_POSITIONS, LossConfig, PositionMeta, check_objective_inputs, policy_loss,
-                                    position_weights)
+                                    position_weights, trained_counts)
 from harts.executor.models.moe import MoEStatistics
 from harts.executor.models.registry import runner_for
 from harts.executor.ops.logprobs import position_logprobs
@@ -45,15 +45,21 @@ class StepResult:
     most_live_producers: int = 0       # producer graphs held at once (memory)
 
 
-def _meta(plan: Plan, flat: np.ndarray, weights: np.ndarray, device: torch.device) -> PositionMeta:
-    """The objective's per-position inputs of one microbatch, moved in one copy."""
+def _meta(plan: Plan, offsets: np.ndarray, flat: np.ndarray, weights: np.ndarray, counts: tuple[int, int],
+          device: torch.device) -> PositionMeta:
+    """The objective's per-position inputs of one microbatch (positions `flat`), moved in one copy."""
     step = plan.step
-    weight = weights[flat]
-    keys = [key for key in ("advantages", "old_logprobs", "ref_logprobs") if step.get(key) is not None]
-    values = {key: np.asarray(step[key], dtype=np.float64)[flat] for key in keys}
-    moved = dict(zip(["weight", *keys], to_device([weight, *values.values()], device)))
+    trajectory = np.searchsorted(offsets, flat, side="right") - 1
+    arrays = {"weight": weights[flat], "trajectory": trajectory, "position": flat - offsets[trajectory],
+              "loss_mask": np.asarray(step["loss_mask"])[flat].astype(np.float64)}
+    for key in ("advantages", "old_logprobs", "ref_logprobs"):   # selected first: converting is per position
+        if step.get(key) is not None:
+            arrays[key] = np.asarray(step[key])[flat].astype(np.float64)
+    moved = dict(zip(arrays, to_device(list(arrays.values()), device)))
     return PositionMeta(weight=moved["weight"], advantages=moved.get("advantages"),
-                        old_logprobs=moved.get("old_logprobs"), ref_logprobs=moved.get("ref_logprobs"))
+                        old_logprobs=moved.get("old_logprobs"), ref_logprobs=moved.get("ref_logprobs"),
+                        trajectory=moved["trajectory"], position=moved["position"], loss_mask=moved["loss_mask"],
+                        trained_positions=counts[0], trained_trajectories=counts[1])
 
 
 def windows_runnable(plan: Plan) -> bool:
@@ -137,6 +143,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     # Reduction weights over the whole step: identical whichever microbatch or rank a position runs on.
     weights = position_weights(plan.step["loss_mask"], offsets, loss.reduction)
     check_objective_inputs(plan.step.get("old_logprobs"), plan.step.get("ref_logprobs"), weights, loss)
+    counts = trained_counts(weights, offsets)
     top_k = runner.top_k
     total_loss, aux_total, z_total, rows = 0.0, 0.0, 0.0, 0
     loads: dict = {}
@@ -180,7 +187,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
                 flat, (index,) = flat[kept], to_device([kept], device)
                 reads, labels = reads.index_select(0, index), labels.index_select(0, index)
             lam = position_logprobs(hidden, model.lm_head.weight, reads, labels)
-            mb_loss = policy_loss(lam, _meta(plan, flat, weights, device), loss)
+            mb_loss = policy_loss(lam, _meta(plan, offsets, flat, weights, counts, device), loss)
             aux, z = stats.aux_loss(top_k), stats.z_loss()
             objective = mb_loss + loss.moe_aux_coef * aux + loss.moe_z_coef * z
         if backward:

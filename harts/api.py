@@ -27,7 +27,7 @@ import numpy as np
 
 from harts.compiler.ir.trajectories import TrajectoryBatch, never_read
 from harts.compiler.pipeline import CompileOptions, check_options, compile_batch
-from harts.executor.losses import LossConfig
+from harts.executor.losses import LossConfig, Objective, PositionMeta
 from harts.executor.runtime import StepResult, run_step
 from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
 from harts.schema.plan import Plan, write_plan
@@ -36,7 +36,7 @@ from harts.schema.errors import HartsError, UsageError
 from harts.schema.plan_invariants import require_valid_plan
 
 __all__ = ["compile_trajectories", "run", "read_plan", "write_plan", "Plan", "StepResult", "LossConfig",
-           "HartsError", "UsageError"]
+           "Objective", "PositionMeta", "HartsError", "UsageError"]
 
 
 def _as_numpy(values, dtype=None) -> np.ndarray:
@@ -78,11 +78,14 @@ def _flat(values, lengths, name, unread: list[np.ndarray] | None = None) -> np.n
     for i, a in enumerate(arrays):
         if missing[i]:
             continue
+        not_float32 = ~np.isfinite(a) | (np.abs(a) > np.finfo(np.float32).max)
         if unread is not None:
             # Positions no loss reads (`never_read`): StepResult.logprobs holds NaN at index 0, and with
             # logprobs="loss" wherever loss_mask is 0, so a run's log-probabilities pass back as they are.
-            a = np.where(unread[i], 0.0, a)
-        bad = np.flatnonzero(~np.isfinite(a) | (np.abs(a) > np.finfo(np.float32).max))
+            # Stored 0.0 there, as read_trees stores them; finite values are kept (a custom objective sees them).
+            a = np.where(unread[i] & not_float32, 0.0, a)
+            not_float32 &= ~unread[i]
+        bad = np.flatnonzero(not_float32)
         if len(bad):
             raise ValueError(f"trajectory {i}: {name}[{bad[0]}] = {a[bad[0]]} is not a finite float32; "
                              "fix: give finite numbers" + (" (NaN only where no loss reads it: index 0, "
@@ -179,7 +182,7 @@ def read_plan(path, *, check: bool = True) -> Plan:
     return plan
 
 
-def run(plan: Plan, model, *, loss: str | LossConfig = "nll", mode: str = "compact",
+def run(plan: Plan, model, *, loss: str | LossConfig | Objective = "nll", mode: str = "compact",
         backward: bool = True, recompute: bool = False, windows: bool = True,
         logprobs: str = "all", accumulate: bool = False) -> StepResult:
     """Run the step on `model`. The parameters' `.grad` are zeroed first and then hold the
@@ -189,7 +192,19 @@ def run(plan: Plan, model, *, loss: str | LossConfig = "nll", mode: str = "compa
     positions, so weigh them with `LossConfig` coefficients or scale afterwards). `windows`
     False runs every consumer of a two-level plan without its producer's reuse. `logprobs`
     "loss" recovers only the positions the objective weighs (others NaN), so the LM head
-    skips prompt and tool-output rows; loss and gradients are unchanged."""
-    config = LossConfig(kind=loss) if isinstance(loss, str) else loss
+    skips prompt and tool-output rows; loss and gradients are unchanged.
+
+    `loss` is a built-in's name, a `LossConfig`, or your own objective: a callable
+    (logprobs, inputs: PositionMeta) -> this microbatch's share of the step objective
+    (shorthand for `LossConfig(kind="custom", objective=...)`; docs/integration.md#custom-objectives)."""
+    if isinstance(loss, str):
+        config = LossConfig(kind=loss)
+    elif isinstance(loss, LossConfig):
+        config = loss
+    elif callable(loss):
+        config = LossConfig(kind="custom", objective=loss)
+    else:
+        raise UsageError(f"loss must be a loss name, a LossConfig or a callable objective, got "
+                         f"{type(loss).__name__}; fix: pass e.g. loss='grpo' or loss=LossConfig(kind='ppo')")
     return run_step(plan, model, mode=mode, loss=config, backward=backward, recompute=recompute, windows=windows,
                     logprobs=logprobs, accumulate=accumulate)

@@ -33,8 +33,23 @@ def torchrun(processes: int, argv: list[str]) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600, env=env)
 
 
+# A sequence-level objective (a trajectory's mean log-probability, squared): not a sum of per-position terms,
+# so it is only right if every rank sees whole trajectories and the shares add up across ranks.
+SEQUENCE_OBJECTIVE = """
+import torch
+
+def squared_means(logprobs, inputs):
+    ids, local = torch.unique(inputs.trajectory, return_inverse=True)
+    zeros = torch.zeros(len(ids), dtype=torch.float64)
+    count = zeros.index_add(0, local, torch.ones_like(logprobs))
+    mean = zeros.index_add(0, local, logprobs) / count
+    return (mean ** 2).sum() / 8
+"""
+
+
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
-def test_two_ranks_give_the_single_process_gradients(tmp_path):
+@pytest.mark.parametrize("loss", ["grpo", "custom"])
+def test_two_ranks_give_the_single_process_gradients(tmp_path, loss):
     rng = np.random.default_rng(0)
     base = [int(t) for t in rng.integers(3, 64, 40)]
     records = [{"id": i, "tokens": base[: 10 + 3 * i] + [int(t) for t in rng.integers(3, 64, 5 + i)],
@@ -45,7 +60,9 @@ def test_two_ranks_give_the_single_process_gradients(tmp_path):
     assert hartsc([str(tmp_path / "trees.jsonl"), "-o", str(tmp_path / "step.plan"), "--dp", "2",
                    "--capacity", "50", "--chunk-size", "4"]) == 0
     assert len(read_plan(tmp_path / "step.plan").producers) == 2
-    common = [str(tmp_path / "step.plan"), "--model", str(tmp_path / "model"), "--loss", "grpo"]
+    (tmp_path / "objective.py").write_text(SEQUENCE_OBJECTIVE)
+    objective = ["--loss", "grpo"] if loss == "grpo" else ["--objective", f"{tmp_path / 'objective.py'}:squared_means"]
+    common = [str(tmp_path / "step.plan"), "--model", str(tmp_path / "model"), *objective]
     single = subprocess.run(["harts", "run", *common, "--json", "--logprobs-out", str(tmp_path / "one.npz"),
                              "--grads-out", str(tmp_path / "one.safetensors")],
                             capture_output=True, text=True, timeout=600)

@@ -74,8 +74,13 @@ def test_untrained_positions_cannot_poison_the_loss_or_its_gradient(kind, junk):
     logprobs = torch.linspace(-2.0, -0.5, len(MASK), dtype=torch.float64, requires_grad=True)
 
     def loss_of(keep):
+        trajectory = np.searchsorted(OFFSETS, np.arange(len(MASK)), side="right") - 1
         meta = PositionMeta(weight=torch.tensor(weights[keep]), advantages=torch.linspace(-1, 1, len(MASK))[keep],
-                            old_logprobs=torch.tensor(old[keep]), ref_logprobs=torch.tensor(ref[keep]))
+                            old_logprobs=torch.tensor(old[keep]), ref_logprobs=torch.tensor(ref[keep]),
+                            trajectory=torch.tensor(trajectory[keep]),
+                            position=torch.tensor((np.arange(len(MASK)) - np.asarray(OFFSETS)[trajectory])[keep]),
+                            loss_mask=torch.tensor(np.asarray(MASK, dtype=np.float64)[keep]),
+                            trained_positions=int(trained.sum()), trained_trajectories=2)
         return policy_loss(logprobs[keep], meta, LossConfig(kind=kind, kl_coef=0.1))
 
     loss = loss_of(np.ones(len(MASK), dtype=bool))
