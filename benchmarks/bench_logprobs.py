@@ -15,6 +15,11 @@ rollouts have 10-20%):
   a gradient;
 * only the f positions (`harts run --logprobs loss`): forward also computes
   logits only for the rows those positions read.
+
+`--entropy` adds a second table: the same default case with the entropies
+also computed (`harts run --entropy`: reported, no gradient) and weighed in
+the loss (`--entropy-coef`: their gradient too), against log-probabilities
+alone.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import time
 
 import torch
 
-from harts.executor.ops.logprobs import position_logprobs
+from harts.executor.ops.logprobs import position_logprobs, position_logprobs_and_entropy
 
 
 def timed(hidden, weight, rows, labels, upstream, repeat: int) -> float:
@@ -37,12 +42,36 @@ def timed(hidden, weight, rows, labels, upstream, repeat: int) -> float:
     return statistics.median(times)
 
 
+def timed_entropy(hidden, weight, rows, labels, upstream, entropy_upstream, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        hidden.grad = weight.grad = None
+        started = time.perf_counter()
+        logprobs, entropy = position_logprobs_and_entropy(hidden, weight, rows, labels)
+        (logprobs * upstream + entropy * entropy_upstream).sum().backward()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def entropy_table(hidden, weight, rows, labels, g, repeat: int) -> None:
+    print(f"\nentropy (default positions); forward + backward seconds, median of {repeat}")
+    print(f"{'loss fraction':>13} {'logprobs':>9} {'+ entropy reported':>19} {'+ entropy in loss':>18}")
+    for fraction in (0.1, 0.2, 1.0):
+        upstream = (torch.rand(len(rows), generator=g) < fraction).to(torch.float32)
+        alone = timed(hidden, weight, rows, labels, upstream, repeat)
+        reported = timed_entropy(hidden, weight, rows, labels, upstream, torch.zeros_like(upstream), repeat)
+        weighed = timed_entropy(hidden, weight, rows, labels, upstream, 0.01 * upstream, repeat)
+        print(f"{fraction:>13.0%} {alone:>9.3f} {reported:>10.3f} ({reported / alone - 1:+4.0%}) "
+              f"{weighed:>9.3f} ({weighed / alone - 1:+4.0%})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=16384, help="compact rows C (default 16384)")
     parser.add_argument("--hidden", type=int, default=128, help="hidden size D (default 128)")
     parser.add_argument("--vocab", type=int, default=4096, help="vocabulary V (default 4096)")
     parser.add_argument("--repeat", type=int, default=5, help="runs per case; the table shows the median (default 5)")
+    parser.add_argument("--entropy", action="store_true", help="also time entropy recovery (a second table)")
     args = parser.parse_args()
 
     g = torch.Generator().manual_seed(0)
@@ -62,6 +91,8 @@ def main() -> None:
         only = timed(hidden, weight, rows[kept], labels[kept], torch.ones(len(kept)), args.repeat)
         print(f"{fraction:>13.0%} {every:>15.3f} {default:>14.3f} {only:>16.3f} "
               f"{1 - default / every:>16.0%} {1 - only / every:>13.0%}")
+    if args.entropy:
+        entropy_table(hidden, weight, rows, labels, g, args.repeat)
 
 
 if __name__ == "__main__":

@@ -163,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kl-coef", type=float, help="grpo/ppo: weight of the k3 KL to ref_logprobs (default 0)")
     p.add_argument("--moe-aux-coef", type=float, default=0.0, help="weight of the MoE load-balancing loss (default 0: reported only)")
     p.add_argument("--moe-z-coef", type=float, default=0.0, help="weight of the router z-loss (default 0: reported only)")
+    p.add_argument("--entropy-coef", type=float, default=0.0,
+                   help="weight of the entropy bonus: subtract this x the trained positions' entropy, reduced as the "
+                        "loss is (default 0: off); the entropy is then reported")
+    p.add_argument("--entropy", action="store_true",
+                   help="report the trained positions' entropy (\"entropy\" in --json) without training on it "
+                        "(one more pass over the logits)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model dtype (default float32)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the model runs (default auto: cuda when available, one GPU per torchrun rank; "
@@ -205,6 +211,7 @@ def loss_config(args) -> LossConfig:
     given = {name: getattr(args, name) for name in _POLICY_FLAGS if getattr(args, name) is not None}
     objective = load_objective(args.objective) if args.objective is not None else None
     config = LossConfig(kind=kind, moe_aux_coef=args.moe_aux_coef, moe_z_coef=args.moe_z_coef,
+                        entropy_coef=args.entropy_coef,
                         reduction=args.reduction, objective=objective, **given)
     # A launcher may pass every flag with its default whatever the loss; only a value that would matter is refused.
     defaults = LossConfig()
@@ -288,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                   "HARTS_LINEAR_ATTENTION=torch runs our torch op instead)", file=sys.stderr)
         result = run_step(plan, model, mode=mode, loss=loss, backward=not args.forward_only,
                           recompute=args.recompute, microbatches=selected, windows=not args.no_windows,
-                          progress=terminal_progress if primary else None, logprobs=args.logprobs)
+                          progress=terminal_progress if primary else None, logprobs=args.logprobs,
+                          entropy=args.entropy)
         if selected is not None:
             distributed.all_reduce_result(result, model)
         if primary:
@@ -318,6 +326,8 @@ def report(args, mode: str, plan, result) -> None:
                "original_tokens": original, "decoder_rows": result.rows, "window_producers": result.producers_run,
                "seconds": result.seconds,
                "tokens_per_second": original / result.seconds if result.seconds else 0.0}
+    if result.entropy is not None:
+        summary["entropy"] = result.entropy
     if args.json:
         line, bad = json_summary(summary)
         print(line)

@@ -19,6 +19,9 @@ losses gives the step loss and sharing rows changes nothing.
   Every trajectory lies whole in one microbatch, so summing the microbatch
   shares gives the step objective and its gradient exactly.
 
+Every kind may add an entropy bonus, -entropy_coef x (the reduction of the
+per-position entropies of the predictive distribution, with the same weights).
+
 Reductions (`reduction`, the same for every objective; weights are computed over
 the whole step, so they never depend on how trajectories fall into microbatches):
 
@@ -51,7 +54,7 @@ class LossConfig:
 
     Invariants: `kind` in LOSSES, `reduction` in REDUCTIONS, 0 <= clip_low < 1
     (the lower clip bound 1 - clip_low stays positive, as a ratio is),
-    clip_high >= 0, the three coefficients finite and >= 0, kl_coef 0 for
+    clip_high >= 0, the four coefficients finite and >= 0, kl_coef 0 for
     nll and custom (which have no KL term), and `objective` a callable
     exactly when kind is custom (the clip fields are then unused). A NaN or an
     infinity here would silently turn the loss and every gradient into NaN,
@@ -65,6 +68,7 @@ class LossConfig:
     kl_coef: float = 0.0       # weight of the k3 KL estimate against ref_logprobs (0: off)
     moe_aux_coef: float = 0.0  # weight of the MoE load-balancing loss (0: reported only)
     moe_z_coef: float = 0.0    # weight of the router z-loss (0: reported only)
+    entropy_coef: float = 0.0  # weight of the entropy bonus: the objective subtracts entropy_coef x entropy
     reduction: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
     objective: "Objective | None" = None   # kind custom: the caller's objective (`Objective`)
 
@@ -74,7 +78,7 @@ class LossConfig:
         _check_number("clip_low", self.clip_low, upper=1.0,
                       fix="pass --clip-low in [0, 1), e.g. 0.2 (the ratio is clipped below at 1 - clip_low)")
         _check_number("clip_high", self.clip_high, fix="pass --clip-high >= 0, e.g. 0.2 or 0.28")
-        for name in ("kl_coef", "moe_aux_coef", "moe_z_coef"):
+        for name in ("kl_coef", "moe_aux_coef", "moe_z_coef", "entropy_coef"):
             _check_number(name, getattr(self, name), fix=f"pass {_flag(name)} >= 0 (0 turns the term off)")
         if self.kind in ("nll", "custom") and self.kl_coef:
             raise UsageError(f"LossConfig.kl_coef (--kl-coef) = {self.kl_coef!r} has no effect with kind "

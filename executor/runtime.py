@@ -20,7 +20,7 @@ from harts.executor.losses import (LOGPROB_POSITIONS, LossConfig, PositionMeta, 
                                     position_weights, trained_counts)
 from harts.executor.models.moe import MoEStatistics
 from harts.executor.models.registry import runner_for
-from harts.executor.ops.logprobs import position_logprobs
+from harts.executor.ops.logprobs import position_logprobs, position_logprobs_and_entropy
 from harts.executor.ops.transfer import to_device
 from harts.executor.windows import WindowSchedule
 from harts.schema.errors import UsageError
@@ -32,7 +32,7 @@ from harts.schema.runs import expand_runs
 class StepResult:
     logprobs: dict                     # str(id) -> float32[n], NaN at index 0
     loss: float                        # the policy loss over the step (token-mean reduction)
-    objective: float                   # what was differentiated: loss + MoE coefficients x their losses
+    objective: float                   # what was differentiated: loss + MoE terms - entropy_coef x entropy
     grads: dict                        # parameter name -> its .grad, trainable ones (empty without backward)
     moe_load: dict                     # layer -> float64[E] occurrence-weighted expert loads
     moe_aux_loss: float
@@ -43,6 +43,9 @@ class StepResult:
     producers_run: int = 0             # window producers executed (L1+L2 plans with windows on)
     producer_backward_passes: int = 0  # autograd traversals of producer graphs (one per producer)
     most_live_producers: int = 0       # producer graphs held at once (memory)
+    # The reduction of the per-position entropies (the loss's weights: with token-mean, the mean entropy of the
+    # trained positions); None unless asked for (`entropy=True`) or weighed (`LossConfig.entropy_coef`).
+    entropy: float | None = None
 
 
 def _meta(plan: Plan, offsets: np.ndarray, flat: np.ndarray, weights: np.ndarray, counts: tuple[int, int],
@@ -99,7 +102,8 @@ def trainable_gradients(model) -> dict:
 def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = LossConfig(),
              backward: bool = True, microbatches: list[int] | None = None,
              pack_expanded: bool = True, recompute: bool = False, progress=None,
-             windows: bool = True, logprobs: str = "all", accumulate: bool = False) -> StepResult:
+             windows: bool = True, logprobs: str = "all", accumulate: bool = False,
+             entropy: bool = False) -> StepResult:
     """Forward (and backward) of the step's microbatches, in plan order (slot, replica; with
     windows, window by window and replica by replica).
 
@@ -118,6 +122,11 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     if given, wraps the microbatch loop (e.g. a tqdm bar).
 
     `accumulate` adds the step's gradients to what `.grad` holds instead of zeroing it first.
+
+    `entropy` also reports `StepResult.entropy`, the entropies of the trained positions' predictive
+    distributions reduced with the loss's weights; `loss.entropy_coef` > 0 turns it on and adds
+    -entropy_coef x entropy to what is differentiated. It costs one more pass over each block of logits
+    (about +33% on the LM head's forward on CPU: benchmarks/bench_logprobs.py --entropy).
 
     `logprobs` "all" recovers every position's log-probability; "loss" only
     those the objective weighs (loss_mask 1, position >= 1; the rest stay NaN
@@ -145,9 +154,10 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     check_objective_inputs(plan.step.get("old_logprobs"), plan.step.get("ref_logprobs"), weights, loss)
     counts = trained_counts(weights, offsets)
     top_k = runner.top_k
-    total_loss, aux_total, z_total, rows = 0.0, 0.0, 0.0, 0
+    with_entropy = entropy or loss.entropy_coef > 0
+    total_loss, aux_total, z_total, entropy_total, rows = 0.0, 0.0, 0.0, 0.0, 0
     loads: dict = {}
-    finished = []   # per microbatch: (flat positions, logprobs, [loss, aux, z], expert loads), on the device
+    finished = []   # per microbatch: (flat positions, logprobs, [loss, aux, z, entropy], expert loads), on the device
     times = []
     if backward and not accumulate:
         model.zero_grad(set_to_none=True)
@@ -186,22 +196,32 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
                 kept = np.flatnonzero(weights[flat] > 0)
                 flat, (index,) = flat[kept], to_device([kept], device)
                 reads, labels = reads.index_select(0, index), labels.index_select(0, index)
-            lam = position_logprobs(hidden, model.lm_head.weight, reads, labels)
-            mb_loss = policy_loss(lam, _meta(plan, offsets, flat, weights, counts, device), loss)
+            meta = _meta(plan, offsets, flat, weights, counts, device)
+            if with_entropy:
+                lam, entropy_P = position_logprobs_and_entropy(hidden, model.lm_head.weight, reads, labels)
+                mb_entropy = (entropy_P.to(torch.float64) * meta.weight).sum()
+            else:
+                lam = position_logprobs(hidden, model.lm_head.weight, reads, labels)
+                mb_entropy = torch.zeros((), dtype=torch.float64, device=device)
+            mb_loss = policy_loss(lam, meta, loss)
             aux, z = stats.aux_loss(top_k), stats.z_loss()
             objective = mb_loss + loss.moe_aux_coef * aux + loss.moe_z_coef * z
+            if loss.entropy_coef:
+                objective = objective - loss.entropy_coef * mb_entropy
         if backward:
             objective.backward()
         # Read back after the last microbatch: a read here would make the host wait for this
         # microbatch's kernels before queueing the next one's (on an accelerator).
-        finished.append((flat, lam.detach().float(), (mb_loss.detach(), aux.detach(), z.detach()), dict(stats.load)))
+        finished.append((flat, lam.detach().float(), (mb_loss.detach(), aux.detach(), z.detach(), mb_entropy.detach()),
+                         dict(stats.load)))
         rows += layout.num_decoder_rows
         schedule.finished(i)
         times.append(time.perf_counter() - t0)
     for flat, lam, sums, mb_loads in finished:   # in microbatch order: sums as a sequential loop gives them
         flat_logprobs[flat] = lam.cpu().numpy()
-        mb_loss, aux, z = (float(x) for x in sums)   # the device is idle by now: these reads cost no stall
+        mb_loss, aux, z, mb_entropy = (float(x) for x in sums)   # the device is idle by now: no stall
         total_loss, aux_total, z_total = total_loss + mb_loss, aux_total + aux, z_total + z
+        entropy_total += mb_entropy
         for layer, load in mb_loads.items():
             loads[layer] = loads.get(layer, 0) + load.cpu().numpy()
     ids = plan.step["ids"]
@@ -209,9 +229,10 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     grads = {}
     if backward:
         grads = trainable_gradients(model)
-    objective_total = total_loss + loss.moe_aux_coef * aux_total + loss.moe_z_coef * z_total
+    objective_total = (total_loss + loss.moe_aux_coef * aux_total + loss.moe_z_coef * z_total
+                       - loss.entropy_coef * entropy_total)
     return StepResult(logprobs=logprobs, loss=total_loss, objective=objective_total, grads=grads, moe_load=loads, moe_aux_loss=aux_total,
                       moe_z_loss=z_total, seconds=time.perf_counter() - started, rows=rows + schedule.rows,
                       microbatch_seconds=times, producers_run=schedule.producers_run,
                       producer_backward_passes=schedule.backward_passes,
-                      most_live_producers=schedule.most_live)
+                      most_live_producers=schedule.most_live, entropy=entropy_total if with_entropy else None)

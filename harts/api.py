@@ -184,7 +184,7 @@ def read_plan(path, *, check: bool = True) -> Plan:
 
 def run(plan: Plan, model, *, loss: str | LossConfig | Objective = "nll", mode: str = "compact",
         backward: bool = True, recompute: bool = False, windows: bool = True,
-        logprobs: str = "all", accumulate: bool = False) -> StepResult:
+        logprobs: str = "all", accumulate: bool = False, entropy: bool = False) -> StepResult:
     """Run the step on `model`. The parameters' `.grad` are zeroed first and then hold the
     gradient of the step's objective (as one backward over the whole step would leave them);
     `accumulate` keeps what `.grad` holds and adds this step's gradient to it (several plans
@@ -192,7 +192,9 @@ def run(plan: Plan, model, *, loss: str | LossConfig | Objective = "nll", mode: 
     positions, so weigh them with `LossConfig` coefficients or scale afterwards). `windows`
     False runs every consumer of a two-level plan without its producer's reuse. `logprobs`
     "loss" recovers only the positions the objective weighs (others NaN), so the LM head
-    skips prompt and tool-output rows; loss and gradients are unchanged.
+    skips prompt and tool-output rows; loss and gradients are unchanged. `entropy` reports
+    `StepResult.entropy` (the trained positions' entropy, reduced as the loss is; also on
+    when `LossConfig.entropy_coef` > 0 weighs it into the objective).
 
     `loss` is a built-in's name, a `LossConfig`, or your own objective: a callable
     (logprobs, inputs: PositionMeta) -> this microbatch's share of the step objective
@@ -207,4 +209,4 @@ def run(plan: Plan, model, *, loss: str | LossConfig | Objective = "nll", mode: 
         raise UsageError(f"loss must be a loss name, a LossConfig or a callable objective, got "
                          f"{type(loss).__name__}; fix: pass e.g. loss='grpo' or loss=LossConfig(kind='ppo')")
     return run_step(plan, model, mode=mode, loss=config, backward=backward, recompute=recompute, windows=windows,
-                    logprobs=logprobs, accumulate=accumulate)
+                    logprobs=logprobs, accumulate=accumulate, entropy=entropy)

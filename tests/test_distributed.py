@@ -61,7 +61,8 @@ def test_two_ranks_give_the_single_process_gradients(tmp_path, loss):
                    "--capacity", "50", "--chunk-size", "4"]) == 0
     assert len(read_plan(tmp_path / "step.plan").producers) == 2
     (tmp_path / "objective.py").write_text(SEQUENCE_OBJECTIVE)
-    objective = ["--loss", "grpo"] if loss == "grpo" else ["--objective", f"{tmp_path / 'objective.py'}:squared_means"]
+    objective = (["--loss", "grpo", "--entropy-coef", "0.01"] if loss == "grpo"
+                 else ["--objective", f"{tmp_path / 'objective.py'}:squared_means", "--entropy"])
     common = [str(tmp_path / "step.plan"), "--model", str(tmp_path / "model"), *objective]
     single = subprocess.run(["harts", "run", *common, "--json", "--logprobs-out", str(tmp_path / "one.npz"),
                              "--grads-out", str(tmp_path / "one.safetensors")],
@@ -75,6 +76,7 @@ def test_two_ranks_give_the_single_process_gradients(tmp_path, loss):
     assert got["window_producers"] == want["window_producers"] == 2
     assert got["decoder_rows"] == want["decoder_rows"]
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    assert got["entropy"] == pytest.approx(want["entropy"], rel=1e-6) and want["entropy"] > 0
     one, two = load_file(tmp_path / "one.safetensors"), load_file(tmp_path / "two.safetensors")
     assert one.keys() == two.keys()
     for name, grad in one.items():

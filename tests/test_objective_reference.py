@@ -72,10 +72,18 @@ def reference_objective(lp_of, data, reduction: str, kind: str) -> torch.Tensor:
             advantage = data["advantages"][i][t]
             clipped = torch.clamp(ratio, 1 - CLIP_LOW, 1 + CLIP_HIGH)
             surrogate = torch.minimum(ratio * advantage, clipped * advantage)
+            if kind == "grpo-no-kl":
+                terms.append(-surrogate)
+                continue
             log_ratio_ref = data["ref"][i][t] - current
             kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1
             terms.append(-surrogate + KL_COEF * kl)
         per_trajectory.append((sum(terms, torch.zeros((), dtype=torch.float64)), count))
+    return reduce_trajectories(per_trajectory, reduction)
+
+
+def reduce_trajectories(per_trajectory, reduction: str) -> torch.Tensor:
+    """The step value from each trajectory's (sum over trained positions, trained count), by the reduction."""
     if reduction == "token-mean":
         return sum(s for s, _ in per_trajectory) / sum(c for _, c in per_trajectory)
     active = [(s, c) for s, c in per_trajectory if c > 0]
@@ -110,6 +118,52 @@ def test_policy_objective_matches_the_definition_on_hugging_face(model, step, ki
     floor = gradient_floor(want_grads)
     worst = max((relative_error(result.grads[n], g, floor), n) for n, g in want_grads.items())
     assert worst[0] <= 1e-4, worst
+
+
+def reduce_like_the_loss(per_position_of, data, reduction: str) -> torch.Tensor:
+    """A per-position quantity (index t >= 1 of trajectory i) reduced over the trained positions as the loss is."""
+    sums = []
+    for i, tokens in enumerate(data["lists"]):
+        trained = [t for t in range(1, len(tokens)) if data["masks"][i][t]]
+        sums.append((sum((per_position_of[i][t - 1] for t in trained), torch.zeros((), dtype=torch.float64)),
+                     len(trained)))
+    return reduce_trajectories(sums, reduction)
+
+
+@pytest.mark.parametrize("reduction", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("shape", [dict(capacity=4096), dict(capacity=170, dp=2)], ids=["one-microbatch", "dp2-windows"])
+def test_entropy_bonus_matches_the_definition_on_hugging_face(model, step, reduction, shape):
+    # H = -sum_v p log p of each trained position's predictive distribution, from the HF model's full logits.
+    coef = 0.05
+    plan = compile_trajectories(step["lists"], loss_masks=step["masks"], advantages=step["advantages"],
+                                old_logprobs=step["old"], **shape)
+    assert len(plan.microbatches) >= shape.get("dp", 1) and (shape.get("dp") is None or plan.producers)
+    config = LossConfig(kind="grpo", clip_low=CLIP_LOW, clip_high=CLIP_HIGH, entropy_coef=coef, reduction=reduction)
+    result = run_step(plan, model, loss=config)
+    model.zero_grad(set_to_none=True)
+    lp_of, entropy_of = [], []
+    for tokens in step["lists"]:
+        logits = model(input_ids=torch.as_tensor(tokens)[None]).logits[0, :-1].to(torch.float64)
+        logp = torch.log_softmax(logits, dim=-1)
+        lp_of.append(logp.gather(1, torch.as_tensor(tokens[1:])[:, None])[:, 0])
+        entropy_of.append(-(logp.exp() * logp).sum(dim=-1))
+    policy = reference_objective(lp_of, dict(step, ref=step["old"]), reduction, "grpo-no-kl")
+    entropy = reduce_like_the_loss(entropy_of, step, reduction)
+    (policy - coef * entropy).backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    assert result.entropy == pytest.approx(float(entropy.detach()), rel=1e-5)
+    policy, entropy = float(policy.detach()), float(entropy.detach())
+    assert result.loss == pytest.approx(policy, rel=1e-5, abs=1e-7)
+    assert result.objective == pytest.approx(policy - coef * entropy, rel=1e-5, abs=1e-7)
+    floor = gradient_floor(want_grads)
+    worst = max((relative_error(result.grads[n], g, floor), n) for n, g in want_grads.items())
+    assert worst[0] <= 1e-4, worst
+    # Without the bonus the entropy term's share of the gradient is real: the gradients differ.
+    plain = run_step(plan, model, loss=LossConfig(kind="grpo", clip_low=CLIP_LOW, clip_high=CLIP_HIGH,
+                                                  reduction=reduction), entropy=True)
+    assert plain.entropy == pytest.approx(result.entropy, rel=1e-9)
+    assert max(relative_error(plain.grads[n], g, floor) for n, g in want_grads.items()) > 1e-3
 
 
 def test_nll_with_masks_matches_the_definition(model, step):

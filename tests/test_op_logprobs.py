@@ -4,10 +4,12 @@ Run: `python -m pytest tests/test_op_logprobs.py -q`.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from harts.executor.ops.logprobs import naive_position_logprobs, position_logprobs
+from harts.executor.ops.logprobs import (naive_position_entropy, naive_position_logprobs, position_logprobs,
+                                        position_logprobs_and_entropy)
 
 
 def case(seed, C=13, D=6, V=29, P=40, dtype=torch.float64):
@@ -71,3 +73,42 @@ def test_bad_shapes_are_value_errors():
         position_logprobs(hidden, weight[:, :2], rows, labels)
     with pytest.raises(ValueError, match="equal-length"):
         position_logprobs(hidden, weight, rows, labels[:3])
+
+
+@pytest.mark.parametrize("block_rows", [1, 4, 100], ids=lambda b: f"block{b}")
+def test_entropy_matches_naive_values_and_gradients_float64(block_rows):
+    hidden, weight, rows, labels = case(5)
+    g = torch.Generator().manual_seed(6)
+    upstream, upstream_entropy = torch.randn(len(rows), dtype=torch.float64, generator=g), \
+        torch.randn(len(rows), dtype=torch.float64, generator=g)
+    upstream_entropy[::4] = 0.0                   # some positions' entropies carry no gradient
+    upstream[1::3] = 0.0                          # and some log-probabilities none (rows live for one term only)
+    got, entropy = position_logprobs_and_entropy(hidden, weight, rows, labels, block_rows=block_rows)
+    want, want_entropy = naive_position_logprobs(hidden, weight, rows, labels), naive_position_entropy(hidden, weight, rows)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(entropy, want_entropy, rtol=1e-12, atol=1e-12)
+    g_got = torch.autograd.grad((got * upstream + entropy * upstream_entropy).sum(), (hidden, weight))
+    g_want = torch.autograd.grad((want * upstream + want_entropy * upstream_entropy).sum(), (hidden, weight))
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_entropy_gradcheck_and_unused_entropy_changes_nothing():
+    hidden, weight, rows, labels = case(7, C=5, D=3, V=7, P=9)
+    assert torch.autograd.gradcheck(
+        lambda h, w: position_logprobs_and_entropy(h, w, rows, labels, block_rows=2), (hidden, weight))
+    # Entropies computed but left out of the loss: the gradient is position_logprobs' own.
+    upstream = torch.randn(len(rows), dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    with_entropy, _ = position_logprobs_and_entropy(hidden, weight, rows, labels)
+    alone = position_logprobs(hidden, weight, rows, labels)
+    g_with = torch.autograd.grad((with_entropy * upstream).sum(), (hidden, weight))
+    g_alone = torch.autograd.grad((alone * upstream).sum(), (hidden, weight))
+    for a, b in zip(g_with, g_alone):
+        assert torch.equal(a, b)
+
+
+def test_entropy_of_a_uniform_head_is_log_vocabulary():
+    hidden = torch.zeros(3, 4, dtype=torch.float64)
+    weight = torch.randn(11, 4, dtype=torch.float64)
+    _, entropy = position_logprobs_and_entropy(hidden, weight, torch.tensor([0, 2]), torch.tensor([1, 5]))
+    torch.testing.assert_close(entropy, torch.full((2,), float(np.log(11.0)), dtype=torch.float64))

@@ -167,7 +167,7 @@ def test_logprobs_and_grads_appear_together_or_not_at_all(workspace, tmp_path, c
 @pytest.mark.parametrize("flags", [
     ["--loss", "grpo", "--clip-low", "nan"], ["--clip-low", "1"], ["--clip-low", "-0.1"],
     ["--clip-high", "-1"], ["--clip-high", "inf"], ["--kl-coef", "nan"], ["--kl-coef", "-0.1"],
-    ["--moe-aux-coef", "inf"], ["--moe-z-coef", "-1"],
+    ["--moe-aux-coef", "inf"], ["--moe-z-coef", "-1"], ["--entropy-coef", "nan"], ["--entropy-coef", "-0.01"],
 ], ids=lambda f: "=".join(f[-2:]))
 def test_illegal_loss_flags_are_one_line(workspace, capsys, no_model_load, flags):
     assert harts(run_argv(workspace, "--json", *flags)) == 2

@@ -153,3 +153,21 @@ def test_device_cuda_without_a_gpu_is_one_line(workspace, capsys):
     assert harts(["run", str(workspace / "step.plan"), "--model", str(workspace / "model"), "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "no CUDA device" in err and "--device cpu" in err
+
+
+def test_entropy_is_reported_and_weighed(workspace, capsys):
+    # --entropy reports the trained positions' entropy without changing the gradient; --entropy-coef
+    # subtracts coef x entropy from what is differentiated (objective), and the loss stays the policy loss.
+    base = ["run", str(workspace / "step.plan"), "--model", str(workspace / "model"), "--loss", "grpo", "--json"]
+    assert harts(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert "entropy" not in plain
+    assert harts([*base, "--entropy"]) == 0
+    reported = json.loads(capsys.readouterr().out)
+    assert reported["objective"] == pytest.approx(plain["objective"], rel=1e-12)
+    # A tiny random model predicts nearly uniformly over its 64 tokens: the entropy is just below log 64.
+    assert 0.9 * np.log(64) < reported["entropy"] <= np.log(64) + 1e-6
+    assert harts([*base, "--entropy-coef", "0.5"]) == 0
+    weighed = json.loads(capsys.readouterr().out)
+    assert weighed["loss"] == pytest.approx(plain["loss"], rel=1e-12)
+    assert weighed["objective"] == pytest.approx(plain["objective"] - 0.5 * reported["entropy"], rel=1e-9)

@@ -21,6 +21,12 @@ so no [C, V] or [P, V] tensor is ever saved, and only for rows with a
 position that carries a gradient: every other row has dL/dz[r] = 0 exactly
 (in RL, positions with loss_mask 0, e.g. prompts and tool outputs), so the
 backward's cost follows the loss-weighted positions, not C.
+
+On request the same pass also gives each position the entropy of the
+distribution it is drawn from, H_p = logsumexp(z[row_p]) - sum_v pi_v z[row_p, v]
+with pi = softmax(z[row_p]) (positions sharing a row share it), whose
+gradient adds, per row, -sum_{p: row_p = r} h_p * pi * (z[r] - sum_v pi_v z[r, v])
+for incoming entropy gradients h_p.
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ def _block_starts(num_rows: int, block_rows: int) -> range:
 
 class _CompactLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_CD, weight_VD, position_row_P, position_label_P, block_rows: int):
+    def forward(ctx, hidden_CD, weight_VD, position_row_P, position_label_P, block_rows: int, with_entropy: bool):
         compute = torch.promote_types(hidden_CD.dtype, torch.float32)
         device = hidden_CD.device
         weight_c = weight_VD.to(compute)
@@ -42,6 +48,7 @@ class _CompactLogprobs(torch.autograd.Function):
         read_A, slot_P = torch.unique(position_row_P, return_inverse=True)
         A = read_A.shape[0]
         lse_A = torch.empty(A, dtype=compute, device=device)
+        entropy_A = torch.empty(A if with_entropy else 0, dtype=compute, device=device)
         # Sort positions by slot once so each block reads a contiguous slice.
         order_P = torch.argsort(slot_P, stable=True)
         # Block boundaries read once (one wait for the device per call, not one per block).
@@ -50,16 +57,27 @@ class _CompactLogprobs(torch.autograd.Function):
         target_P = torch.empty(position_row_P.shape[0], dtype=compute, device=device)
         for b, start in enumerate(_block_starts(A, block_rows)):
             logits_RV = hidden_CD[read_A[start:start + block_rows]].to(compute) @ weight_c.T
-            lse_A[start:start + block_rows] = torch.logsumexp(logits_RV, dim=-1)
+            if with_entropy:
+                # One exponential pass serves both: lse = m + log sum e, E_pi[z] = sum e z / sum e.
+                peak_R = logits_RV.amax(dim=-1, keepdim=True)
+                scaled_RV = torch.exp(logits_RV - peak_R)
+                total_R = scaled_RV.sum(dim=-1)
+                lse_R = peak_R.squeeze(1) + torch.log(total_R)
+                entropy_A[start:start + block_rows] = lse_R - (scaled_RV * logits_RV).sum(dim=-1) / total_R
+            else:
+                lse_R = torch.logsumexp(logits_RV, dim=-1)
+            lse_A[start:start + block_rows] = lse_R
             picked = order_P[bounds[b]:bounds[b + 1]]
             target_P[picked] = logits_RV[slot_P[picked] - start, position_label_P[picked]]
-        ctx.save_for_backward(hidden_CD, weight_VD, position_label_P, read_A, slot_P, lse_A)
+        ctx.save_for_backward(hidden_CD, weight_VD, position_label_P, read_A, slot_P, lse_A, entropy_A)
         ctx.block_rows = block_rows
-        return target_P - lse_A[slot_P]
+        entropy_P = entropy_A[slot_P] if with_entropy else entropy_A
+        ctx.mark_non_differentiable(*(() if with_entropy else (entropy_P,)))
+        return target_P - lse_A[slot_P], entropy_P
 
     @staticmethod
-    def backward(ctx, grad_P):
-        hidden_CD, weight_VD, position_label_P, read_A, slot_P, lse_A = ctx.saved_tensors
+    def backward(ctx, grad_P, grad_entropy_P):
+        hidden_CD, weight_VD, position_label_P, read_A, slot_P, lse_A, entropy_A = ctx.saved_tensors
         block_rows = ctx.block_rows
         compute = lse_A.dtype
         device = hidden_CD.device
@@ -73,7 +91,15 @@ class _CompactLogprobs(torch.autograd.Function):
         row_grad_A = torch.zeros(A, dtype=compute, device=device).index_add_(0, slot_P, grad_P)
         # Only positions with a gradient contribute; only their rows need logits again.
         live_L = torch.nonzero(grad_P).squeeze(1)
-        active_S = torch.unique(slot_P[live_L])                          # read-row slots, sorted
+        live_rows = slot_P[live_L]
+        row_entropy_grad_A = None
+        live_H = torch.nonzero(grad_entropy_P).squeeze(1) if entropy_A.numel() and grad_entropy_P is not None \
+            else slot_P[:0]
+        if live_H.numel():   # entropies asked for but never used in the loss cost no backward work
+            grad_entropy_P = grad_entropy_P.to(compute)
+            row_entropy_grad_A = torch.zeros(A, dtype=compute, device=device).index_add_(0, slot_P, grad_entropy_P)
+            live_rows = torch.cat([live_rows, slot_P[live_H]])
+        active_S = torch.unique(live_rows)                               # read-row slots, sorted
         S = active_S.shape[0]
         rank_of_slot_A = torch.full((A,), -1, dtype=torch.long, device=device)
         rank_of_slot_A[active_S] = torch.arange(S, device=device)
@@ -86,7 +112,13 @@ class _CompactLogprobs(torch.autograd.Function):
             rows_R = read_A[slots_R]
             hidden_RD = hidden_CD[rows_R].to(compute)
             logits_RV = hidden_RD @ weight_c.T
-            grad_logits_RV = -torch.exp(logits_RV - lse_A[slots_R, None]) * row_grad_A[slots_R, None]
+            probs_RV = torch.exp(logits_RV - lse_A[slots_R, None])
+            weight_RV = row_grad_A[slots_R, None]
+            if row_entropy_grad_A is not None:
+                # dH/dz = -pi * (z - E_pi[z]), with E_pi[z] = lse - H.
+                expected_R = lse_A[slots_R] - entropy_A[slots_R]
+                weight_RV = weight_RV + row_entropy_grad_A[slots_R, None] * (logits_RV - expected_R[:, None])
+            grad_logits_RV = -probs_RV * weight_RV
             lo, hi = bounds[b], bounds[b + 1]
             picked = live_L[lo:hi]
             grad_logits_RV.index_put_((rank_L[lo:hi] - start, position_label_P[picked]), grad_P[picked],
@@ -96,7 +128,17 @@ class _CompactLogprobs(torch.autograd.Function):
             if need_weight:
                 grad_weight += grad_logits_RV.T @ hidden_RD
         return (grad_hidden.to(hidden_CD.dtype) if need_hidden else None,
-                grad_weight.to(weight_VD.dtype) if need_weight else None, None, None, None)
+                grad_weight.to(weight_VD.dtype) if need_weight else None, None, None, None, None)
+
+
+def _check(hidden_CD, weight_VD, position_row_P, position_label_P, block_rows: int) -> None:
+    if hidden_CD.dim() != 2 or weight_VD.dim() != 2 or hidden_CD.shape[1] != weight_VD.shape[1]:
+        raise ValueError(f"hidden must be [C, D] and weight [V, D], got {tuple(hidden_CD.shape)} and {tuple(weight_VD.shape)}")
+    if position_row_P.shape != position_label_P.shape or position_row_P.dim() != 1:
+        raise ValueError(f"position rows and labels must be equal-length vectors, got {tuple(position_row_P.shape)} "
+                         f"and {tuple(position_label_P.shape)}")
+    if block_rows < 1:
+        raise ValueError(f"block_rows must be >= 1, got {block_rows}")
 
 
 def position_logprobs(hidden_CD: torch.Tensor, weight_VD: torch.Tensor, position_row_P: torch.Tensor,
@@ -106,11 +148,17 @@ def position_logprobs(hidden_CD: torch.Tensor, weight_VD: torch.Tensor, position
     hidden_CD: final hidden states of the compact rows (after the last norm);
     weight_VD: the LM head's weight; position_row_P / position_label_P: int64.
     """
-    if hidden_CD.dim() != 2 or weight_VD.dim() != 2 or hidden_CD.shape[1] != weight_VD.shape[1]:
-        raise ValueError(f"hidden must be [C, D] and weight [V, D], got {tuple(hidden_CD.shape)} and {tuple(weight_VD.shape)}")
-    if position_row_P.shape != position_label_P.shape or position_row_P.dim() != 1:
-        raise ValueError(f"position rows and labels must be equal-length vectors, got {tuple(position_row_P.shape)} "
-                         f"and {tuple(position_label_P.shape)}")
-    if block_rows < 1:
-        raise ValueError(f"block_rows must be >= 1, got {block_rows}")
-    return _CompactLogprobs.apply(hidden_CD, weight_VD, position_row_P.long(), position_label_P.long(), block_rows)
+    _check(hidden_CD, weight_VD, position_row_P, position_label_P, block_rows)
+    logprobs, _ = _CompactLogprobs.apply(hidden_CD, weight_VD, position_row_P.long(), position_label_P.long(),
+                                         block_rows, False)
+    return logprobs
+
+
+def position_logprobs_and_entropy(hidden_CD: torch.Tensor, weight_VD: torch.Tensor, position_row_P: torch.Tensor,
+                                  position_label_P: torch.Tensor, *,
+                                  block_rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`position_logprobs`, the entropy of each position's predictive distribution), both [P] and
+    differentiable, from one pass over the logits (one extra elementwise product per block)."""
+    _check(hidden_CD, weight_VD, position_row_P, position_label_P, block_rows)
+    return _CompactLogprobs.apply(hidden_CD, weight_VD, position_row_P.long(), position_label_P.long(),
+                                  block_rows, True)
