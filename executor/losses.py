@@ -173,6 +173,9 @@ class PositionMeta:
     # and trajectories with at least one.
     trained_positions: int
     trained_trajectories: int
+    # With entropies on (`run_step(entropy=True)` or `entropy_coef` > 0): each position's predictive entropy,
+    # float64 and differentiable (a custom objective may select tokens by it or weigh it); else None.
+    entropy: torch.Tensor | None = None
 
 
 # The caller's objective (`LossConfig(kind="custom", objective=...)`): this microbatch's share of the step

@@ -8,6 +8,7 @@ equals one backward over the whole step. It contains no tree logic.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -199,7 +200,8 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
             meta = _meta(plan, offsets, flat, weights, counts, device)
             if with_entropy:
                 lam, entropy_P = position_logprobs_and_entropy(hidden, model.lm_head.weight, reads, labels)
-                mb_entropy = (entropy_P.to(torch.float64) * meta.weight).sum()
+                meta = dataclasses.replace(meta, entropy=entropy_P.to(torch.float64))
+                mb_entropy = (meta.entropy * meta.weight).sum()
             else:
                 lam = position_logprobs(hidden, model.lm_head.weight, reads, labels)
                 mb_entropy = torch.zeros((), dtype=torch.float64, device=device)

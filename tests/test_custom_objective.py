@@ -317,3 +317,21 @@ def test_harts_run_refuses_a_bad_objective_flag_in_one_line(workspace, flags, me
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
     assert not (workspace / out).exists()
+
+
+def test_custom_objective_sees_differentiable_entropies(model, step):
+    # With entropy=True the objective gets each position's entropy: weighing it itself equals entropy_coef.
+    plan = compile_step(step, capacity=180, dp=2, levels="l1+l2")
+    built_in = harts.run(plan, model, loss=LossConfig(kind="nll", entropy_coef=0.1))
+    grads = {n: g.clone() for n, g in built_in.grads.items()}
+
+    def nll_minus_entropy(logprobs, inputs):
+        return ((-logprobs - 0.1 * inputs.entropy) * inputs.weight).sum()
+
+    custom = harts.run(plan, model, loss=nll_minus_entropy, entropy=True)
+    assert custom.objective == pytest.approx(built_in.objective, rel=1e-12)
+    for name, grad in grads.items():
+        torch.testing.assert_close(custom.grads[name], grad, rtol=1e-9, atol=1e-12)
+    seen = []
+    harts.run(plan, model, loss=lambda lp, inputs: seen.append(inputs.entropy) or (lp * 0.0).sum(), backward=False)
+    assert seen and all(e is None for e in seen)   # off unless asked for
