@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -252,7 +253,12 @@ def test_largest_cap_is_the_deepest_that_fits(lists, dp, capacity, rng):
     fits = [depth for depth in range(int(lengths.max()) + 1)
             if evaluate(model, options, consumer_of, cell_of_consumer,
                             np.where(np.arange(dp) == cell, depth, caps), K, dp).pro_n[cell] <= capacity]
-    assert scoring._largest_cap(model, options, layout, cell, capacity, K, dp) == max(fits)
+    ev = evaluate(model, options, consumer_of, cell_of_consumer, caps, K, dp)
+    assert scoring._largest_cap(model, options, layout, cell, capacity, K, dp, ev) == max(fits)
+    memo = {}
+    assert scoring._largest_cap(model, options, layout, cell, capacity, K, dp, ev, memo) == max(fits)
+    assert scoring._largest_cap(model, options, layout, cell, capacity, K, dp, ev, memo) == max(fits)
+    assert len(memo) == 1
 
 
 def brute_lcp(a, b) -> int:
@@ -609,3 +615,68 @@ def test_member_growth_is_what_a_consumer_adds_to_hold_a_trajectory(seed):
                 for c in range(7)]
         assert members.growth(x, np.arange(7)).tolist() == want, x
         assert members.growth([x, x], [want.index(max(want)), 0]).tolist() == [max(want), want[0]]
+
+
+def branching_consumers(seed: int, branches: int = 5, per_branch: int = 3):
+    """A trunk with long branches, each ending in short distinct tails; consumer k holds branch k, except two
+    trajectories given to the next consumer, so two branches are shared and the producer caches them. Moving
+    one more trajectory across shares a third branch: the producer grows by a whole branch."""
+    rng = np.random.default_rng(seed)
+    lists, branch = [], []
+    for b in range(branches):
+        prefix = [0, 1, 2, 3, 4 + b] + rng.integers(0, 4, 11).tolist()
+        lists += [prefix + [10 + t, 20 + t] for t in range(per_branch)]
+        branch += [b] * per_branch
+    order = sorted(range(len(lists)), key=lambda i: lists[i])
+    lengths, lcp = lengths_and_lcp([lists[i] for i in order])
+    consumer_of = np.array(branch, dtype=np.int64)
+    for x in rng.choice(branches, 2, replace=False) * per_branch:   # to two different consumers
+        consumer_of[x] = (consumer_of[x] + 1) % branches
+    return lengths, PrefixCostModel.build(lengths, lcp), branches, consumer_of[order]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_recap_lowers_an_overfilled_producer_instead_of_refusing(seed):
+    """A move that overfills its producer (at the parent's caps): refused without `recap`; with it, the
+    producer gets the deepest cap that fits (brute force over every depth), no capacity is broken, and the
+    score is that of the layout scored from scratch with those caps."""
+    lengths, model, K, consumer_of = branching_consumers(seed)
+    options = L2Options()
+    cells, window_start = np.zeros(K, dtype=np.int64), np.array([0, K], dtype=np.int64)
+    no_caps = np.full(1, NO_CAP, dtype=np.int64)
+    # The first capacity and single-trajectory move whose consumers fit but whose producer overflows at the
+    # parent's caps (the parent's producer gets the deepest cap that fits it).
+    found = None
+    smallest = int(evaluate(model, options, consumer_of, cells, no_caps, K, 1).full.max())
+    for capacity in range(smallest, smallest + 40):
+        parent = scoring.Layout("p", consumer_of, cells, window_start, no_caps)
+        assert scoring.score_layout(model, options, parent, 1, capacity, allow_caps=True)
+        caps = parent.cap_of_cell
+        for x, b in itertools.product(range(len(lengths)), range(K)):
+            moved = consumer_of.copy()
+            moved[x] = b
+            a = int(consumer_of[x])
+            if b == a or not np.any(moved == a):
+                continue
+            ev = evaluate(model, options, moved, cells, caps, K, 1)
+            if ev.full.max() <= capacity < ev.pro_n.max():
+                found = moved, a, b
+                break
+        if found:
+            break
+    assert found, "the construction should always offer such a move"
+    moved, a, b = found
+
+    def trial():
+        return scoring.Layout("t", moved, cells, window_start, caps)
+    assert scoring.trial_score(model, options, trial(), 1, capacity, 10**12, parent, [a, b]) is None
+    recapped = trial()
+    score = scoring.trial_score(model, options, recapped, 1, capacity, 10**12, parent, [a, b], recap={})
+    assert score is not None
+    deepest_fitting = max(depth for depth in range(int(lengths.max()) + 1)
+                          if evaluate(model, options, moved, cells, np.array([depth]), K, 1).pro_n[0] <= capacity)
+    assert recapped.cap_of_cell[0] == deepest_fitting < caps[0]
+    assert recapped.ev.pro_n.max() <= capacity and recapped.ev.full.max() <= capacity
+    scratch = scoring.Layout("s", moved, cells, window_start, recapped.cap_of_cell)
+    assert scoring.score_layout(model, options, scratch, 1, capacity, allow_caps=False)
+    assert score[0] == scratch.key[0]

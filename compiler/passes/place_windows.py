@@ -52,10 +52,12 @@ the choices filling the gaps are:
 * Producers (Equation A.3, g_{d,w}): a producer computes exactly the rows
   that >= 2 consumers of its (window, replica) use, below an optional depth
   cap h_{d,w}; g_{d,w} = sum_j h_{d,j} - p_{d,w} > 0 is then the tokens it
-  saves. The cap is lowered (binary search) only when the producer would
-  exceed T. Rows used by one consumer stay in that consumer.
+  saves. The cap is lowered only when the producer would exceed T (a search
+  between the deepest cached depth and that depth less the overflow). Rows used by one consumer stay in that consumer.
 * Search. For each window count W in `window_counts` (windows of near-equal
-  length, longer first), the candidates are:
+  length, longer first; a count whose windows would hold fewer than
+  `min_window_slots` slots is skipped unless it is the smallest), the
+  candidates are:
   - "l1-grid": L1's consumers at L1's (replica, slot);
   - "l1-trie-rank": L1's consumers, each slot's consumers given to replicas in
     trie order of their first member (prefix-affine consumers share a replica);
@@ -104,7 +106,9 @@ the choices filling the gaps are:
   members) whose history it can hold. Each move is evaluated exactly
   (capacities of complete layouts and producers included) and kept when
   (Phi, sum of squared costs) decreases; the squared costs level work where
-  Phi alone is flat. Refinement runs again after the exchanges below.
+  Phi alone is flat. Refinement runs again after the exchanges below, then
+  letting a move that would overfill its producer lower that producer's
+  sharing depth (a full re-evaluation) instead of refusing it.
 * Placement exchanges (at most `exchange_rounds` accepted): two consumers of
   one window on different replicas trade places. Complete layouts do not
   change, so only producers can break capacity; the cost is that a consumer
@@ -145,7 +149,7 @@ PASS_NAME = "place_windows"
 def _window_counts(J: int, options: L2Options) -> list[int]:
     smallest = 1 if options.max_window_slots <= 0 else -(-J // options.max_window_slots)
     counts = sorted({min(J, max(smallest, int(w))) for w in options.window_counts} | {smallest})
-    return [w for w in counts if 1 <= w <= J]
+    return [w for w in counts if 1 <= w <= J and (w == smallest or J // w >= options.min_window_slots)]
 
 
 def place_windows(trie, partition: L1Partition, *, capacity: int, dp: int,
@@ -191,7 +195,9 @@ def place_windows(trie, partition: L1Partition, *, capacity: int, dp: int,
     best = refine(model, options, best, dp, capacity, token_limit, decisions)
     best = exchange_consumers(model, options, best, dp, capacity, token_limit, decisions)
     # Exchanges re-sort the slots; refining again pulls work into the consumers now below their slot's maximum.
-    best = refine(model, options, best, dp, capacity, token_limit, decisions)
+    # Producers are full by now (tree-step at D = 8: 62-65k rows of 65,536), so a move that adds sharing may
+    # lower its producer's depth cap rather than be refused (paper-scale tree-step seed 0: Phi -0.7%).
+    best = refine(model, options, best, dp, capacity, token_limit, decisions, recap=True)
     return _placement(model, best, dp, decisions)
 
 

@@ -91,7 +91,7 @@ def _run_rows(runs: list[np.ndarray], lengths: np.ndarray, ev: Evaluation) -> np
 
 
 def refine(model: PrefixCostModel, options: L2Options, layout: Layout, dp: int, capacity: int, token_limit: int,
-           decisions: list[str]) -> Layout:
+           decisions: list[str], recap: bool = False) -> Layout:
     """Bounded local search that levels work without ever raising Phi; see `place_windows`' docstring.
 
     Every `refine_pull_every`-th round is a pull round, the others push. A
@@ -106,10 +106,13 @@ def refine(model: PrefixCostModel, options: L2Options, layout: Layout, dp: int, 
     pull round takes the consumer furthest below its slot's maximum and tries
     moving in the tail of a nested chain (`_pull_moves`). A move is kept when
     (Phi, sum of squared costs) decreases lexicographically, the capacities
-    hold, and, when it crosses replicas, tokens do not grow.
+    hold, and, when it crosses replicas, tokens do not grow. With `recap`, a
+    move that would overfill its cell's producer lowers that producer's
+    sharing depth instead of being refused (`trial_score`).
     """
     stuck: set[tuple[int, bool]] = set()
-    accepted = evaluations = 0
+    accepted = evaluations = recapped = 0
+    cap_memo = {} if recap else None
     potential = work_potential(layout)
     for step in range(options.refine_steps):
         ev = layout.ev
@@ -137,7 +140,7 @@ def refine(model: PrefixCostModel, options: L2Options, layout: Layout, dp: int, 
             if trial is None:
                 continue
             evaluations += 1
-            score = trial_score(model, options, trial, dp, capacity, token_limit, layout, [a, b])
+            score = trial_score(model, options, trial, dp, capacity, token_limit, layout, [a, b], cap_memo)
             if score is None:
                 continue
             if layout.cell_of_consumer[b] != layout.cell_of_consumer[a] and trial.key[1] > layout.key[1]:
@@ -147,10 +150,13 @@ def refine(model: PrefixCostModel, options: L2Options, layout: Layout, dp: int, 
         if best is None:
             stuck.add((focus, pull))
             continue
+        recapped += int(np.any(best.cap_of_cell != layout.cap_of_cell))
         layout, potential = best, best_score[1]
         accepted += 1
         stuck.clear()
-    decisions.append(f"refine: {accepted} moves accepted, {evaluations} candidates evaluated, {format_key(layout.key)}")
+    lowered = f" ({recapped} lowered a producer's cap)" if recap else ""
+    decisions.append(f"refine: {accepted} moves accepted{lowered}, {evaluations} candidates evaluated, "
+                     f"{format_key(layout.key)}")
     return layout
 
 

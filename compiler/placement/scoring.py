@@ -7,6 +7,7 @@ computes the key candidates are compared by, lexicographically (Appendix A.2).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,10 +58,18 @@ def score_layout(model: PrefixCostModel, options: L2Options, layout: Layout, dp:
     if oversized.size:
         layout.cap_of_cell = layout.cap_of_cell.copy()
         for g in oversized.tolist():
-            layout.cap_of_cell[g] = _largest_cap(model, options, layout, g, capacity, K, G)
+            layout.cap_of_cell[g] = _largest_cap(model, options, layout, g, capacity, K, G, ev)
         ev = evaluate(model, options, layout.consumer_of, layout.cell_of_consumer, layout.cap_of_cell, K, G)
-    layout.ev = ev
+    _order_and_key(layout, ev, dp)
+    return True
 
+
+def _order_and_key(layout: Layout, ev: Evaluation, dp: int) -> None:
+    """Adopt `ev`, order each cell's consumers into slots and the cells onto replicas, and compute the key."""
+    K = len(layout.cell_of_consumer)
+    W = len(layout.window_start) - 1
+    G = W * dp
+    layout.ev = ev
     consumer_cost = ev.res_f + ev.res_b
     # Slot order within each cell: descending residual cost (ties: consumer id).
     order = np.lexsort((np.arange(K), -consumer_cost, layout.cell_of_consumer))
@@ -85,24 +94,58 @@ def score_layout(model: PrefixCostModel, options: L2Options, layout: Layout, dp:
         totals[light_first] += cell_cost[heavy_first]
     layout.replica_of_cell = replica_of_cell
     layout.key = _key(layout, dp)
-    return True
 
 
-def _largest_cap(model, options, layout: Layout, cell: int, capacity: int, K: int, G: int) -> int:
-    """The deepest sharing cap that keeps one producer within capacity (binary search on depth)."""
-    lo, hi = 0, int(model.lengths.max())
-    caps = layout.cap_of_cell.copy()
+def _largest_cap(model, options, layout: Layout, cell: int, capacity: int, K: int, G: int,
+                 ev: Evaluation, memo: dict | None = None) -> int:
+    """The deepest sharing cap that keeps one producer within capacity; `ev` evaluates the layout at its
+    current caps (a producer that fits there keeps its cap).
+
+    A producer is the trie of its cached prefixes. At the depth `deepest` of
+    its deepest cached row, lowering the cap by d drops at least the d rows
+    of that path, so `deepest - overflow` always fits: the search runs on
+    [deepest - overflow, deepest] (a few evaluations of one cell), not over
+    every depth. `memo`, when given, remembers answers by the
+    cell's membership and cap (local search meets the same producer again).
+    """
     # A producer's rows depend on its own cell's positions only.
     positions = np.flatnonzero(layout.cell_of_consumer[layout.consumer_of] == cell)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        caps[cell] = mid
-        ev = evaluate_positions(model, options, positions, layout.consumer_of, layout.cell_of_consumer, caps, K, G)
-        if ev.pro_n[cell] <= capacity:
-            lo = mid
+    if memo is not None:
+        key = (int(layout.cap_of_cell[cell]), positions.tobytes(), layout.consumer_of[positions].tobytes())
+        if key not in memo:
+            memo[key] = _largest_cap(model, options, layout, cell, capacity, K, G, ev)
+        return memo[key]
+    if ev.pro_n[cell] <= capacity:   # fits already: its cap stays
+        return int(min(model.lengths.max(), layout.cap_of_cell[cell]))
+    deepest = int(ev.cached[positions].max(initial=0))
+    caps = layout.cap_of_cell.copy()
+
+    def rows(cap: int) -> int:
+        caps[cell] = cap
+        part = evaluate_positions(model, options, positions, layout.consumer_of, layout.cell_of_consumer, caps, K, G)
+        return int(part.pro_n[cell])
+
+    # Bracket: lo fits, hi does not (at the deepest cached depth the producer is what `ev` says).
+    hi, hi_rows = deepest, int(ev.pro_n[cell])
+    lo = max(0, deepest - (hi_rows - capacity))
+    lo_rows = rows(lo)
+    if lo_rows > capacity:   # cannot happen by the argument above; kept exact rather than trusted
+        lo, lo_rows = 0, rows(0)
+    # Rows grow piecewise linearly with the cap: interpolate (false position), bisecting every other
+    # step so that a bent stretch cannot slow the search below bisection's pace by more than half.
+    for step in itertools.count():
+        if hi - lo <= 1:
+            return lo
+        if step % 2 == 0 and hi_rows > lo_rows:
+            guess = lo + (capacity - lo_rows) * (hi - lo) // (hi_rows - lo_rows)
         else:
-            hi = mid - 1
-    return lo
+            guess = (lo + hi) // 2
+        guess = min(max(guess, lo + 1), hi - 1)
+        guess_rows = rows(guess)
+        if guess_rows <= capacity:
+            lo, lo_rows = guess, guess_rows
+        else:
+            hi, hi_rows = guess, guess_rows
 
 
 def grid_costs(layout: Layout, dp: int):
@@ -149,17 +192,31 @@ def work_potential(layout: Layout) -> float:
 
 
 def trial_score(model: PrefixCostModel, options: L2Options, trial: Layout, dp: int, capacity: int,
-                token_limit: int, parent: Layout, consumers) -> tuple[int, float] | None:
-    """(Phi, sum of squared costs) of a local-search trial; None when it breaks a capacity (caps are
-    kept: no producer may need a new one) or runs more decoder tokens than L1's consumers would.
+                token_limit: int, parent: Layout, consumers, recap: dict | None = None) -> tuple[int, float] | None:
+    """(Phi, sum of squared costs) of a local-search trial; None when it breaks a capacity or runs more
+    decoder tokens than L1's consumers would.
 
     `trial` differs from the scored `parent` only in the members or cells of
-    `consumers`, so only the cells those occupy, before and after, are re-evaluated.
+    `consumers`, so only the cells those occupy, before and after, are
+    re-evaluated. A producer the trial pushes past the capacity refuses it,
+    unless `recap` (a dict, `_largest_cap`'s memo) is given: then that
+    producer's sharing depth is lowered until it fits, and the trial is
+    scored with the caching it keeps.
     """
     consumers = np.asarray(consumers, dtype=np.int64)
     cells = np.union1d(parent.cell_of_consumer[consumers], trial.cell_of_consumer[consumers])
     ev = reevaluate(model, options, parent.ev, trial.consumer_of, trial.cell_of_consumer, trial.cap_of_cell, cells,
                     members_changed=trial.consumer_of is not parent.consumer_of)
-    if not score_layout(model, options, trial, dp, capacity, allow_caps=False, ev=ev) or trial.key[1] > token_limit:
+    oversized = np.flatnonzero(ev.pro_n > capacity)
+    if recap is not None and oversized.size and ev.full.max(initial=0) <= capacity:
+        # Only the trial's cells changed, so only their producers can overflow; each gets its largest cap.
+        K, G = len(trial.cell_of_consumer), len(trial.cap_of_cell)
+        trial.cap_of_cell = trial.cap_of_cell.copy()
+        for g in oversized.tolist():
+            trial.cap_of_cell[g] = _largest_cap(model, options, trial, g, capacity, K, G, ev, recap)
+        ev = reevaluate(model, options, parent.ev, trial.consumer_of, trial.cell_of_consumer, trial.cap_of_cell,
+                        cells, members_changed=trial.consumer_of is not parent.consumer_of)
+    fits = score_layout(model, options, trial, dp, capacity, allow_caps=False, ev=ev)
+    if not fits or trial.key[1] > token_limit:
         return None
     return trial.key[0], work_potential(trial)
