@@ -21,6 +21,9 @@ error and the rest still run):
   `auto`: layers fla refuses run the torch op), compact with the torch op,
   and an L1+L2 plan with a sharing window. Max |d logprob| and
   the worst relative gradient error (the tests' rule and floor).
+* `lm-head`: the blocked log-probability and entropy recovery on the GPU in
+  float32 and bfloat16 against the plain log_softmax in float64 (values and
+  gradients), and its time with and without entropies (a V = 32k head).
 * `syncs`: host synchronisations of one compact step (torch's sync debug
   mode), by source line.
 * `op-timing`: forward + backward of one round per size, torch op vs fla.
@@ -75,7 +78,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("ops", "fidelity", "syncs", "op-timing", "update", "nccl", "fla-compile")
+SECTIONS = ("ops", "fidelity", "lm-head", "syncs", "op-timing", "update", "nccl", "fla-compile")
 
 
 def say(line: str = "") -> None:
@@ -154,6 +157,59 @@ def ops(device, args) -> list[str]:
                     lines.append(head + f"failed: {str(err).splitlines()[0][:200]}")
                     continue
                 lines.append(head + " ".join(f"{relative(a, b):>9.2e}" for a, b in zip(got, reference)))
+    return lines
+
+
+def lm_head(device, args) -> list[str]:
+    """Blocked log-probabilities and entropies on the GPU against log_softmax in float64, then their time."""
+    import torch
+
+    from harts.executor.ops.logprobs import (naive_position_entropy, naive_position_logprobs, position_logprobs,
+                                            position_logprobs_and_entropy)
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rows, hidden_size, vocab, positions = 3000, 256, 32768, 4000
+    hidden = torch.randn(rows, hidden_size, generator=g, dtype=torch.float64).to(device)
+    weight = (torch.randn(vocab, hidden_size, generator=g, dtype=torch.float64) * 0.05).to(device)
+    row = torch.randint(0, rows, (positions,), generator=g).to(device)
+    label = torch.randint(0, vocab, (positions,), generator=g).to(device)
+    upstream = torch.randn(positions, generator=g, dtype=torch.float64).to(device)
+    upstream_entropy = (0.1 * torch.randn(positions, generator=g, dtype=torch.float64)).to(device)
+
+    def run(fn, dtype):
+        h, w = hidden.detach().to(dtype).requires_grad_(), weight.detach().to(dtype).requires_grad_()
+        lp, entropy = fn(h, w)
+        (lp.double() * upstream + entropy.double() * upstream_entropy).sum().backward()
+        return lp.double(), entropy.double(), h.grad.double(), w.grad.double()
+
+    want = run(lambda h, w: (naive_position_logprobs(h, w, row, label), naive_position_entropy(h, w, row)),
+               torch.float64)
+    lines = ["max |x - x_ref| / max |x_ref|, reference: log_softmax in float64 on the GPU",
+             f"{'dtype':<9} {'logprob':>9} {'entropy':>9} {'d hidden':>9} {'d weight':>9}"]
+    for dtype in (torch.float32, torch.bfloat16):
+        got = run(lambda h, w: position_logprobs_and_entropy(h, w, row, label), dtype)
+        lines.append(f"{str(dtype)[6:]:<9} " + " ".join(f"{relative(a, b):>9.2e}" for a, b in zip(got, want)))
+    h, w = hidden.to(torch.bfloat16).requires_grad_(), weight.to(torch.bfloat16).requires_grad_()
+    loss_weight = (torch.rand(positions, generator=g) < 0.2).to(device, torch.float32)
+
+    def timed(with_entropy: bool, weigh_entropy: bool) -> float:
+        times = []
+        for _ in range(args.repeat + 1):
+            h.grad = w.grad = None
+            torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            if with_entropy:
+                lp, entropy = position_logprobs_and_entropy(h, w, row, label)
+                loss = (lp * loss_weight).sum() + (entropy * loss_weight).sum() * float(weigh_entropy)
+            else:
+                loss = (position_logprobs(h, w, row, label) * loss_weight).sum()
+            loss.backward()
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - started)
+        return sorted(times[1:])[len(times[1:]) // 2] * 1e3
+    alone, reported, weighed = timed(False, False), timed(True, False), timed(True, True)
+    lines.append(f"bfloat16, {positions} positions (20% weighed) over {rows} rows, V = {vocab}: forward + backward "
+                 f"{alone:.2f} ms; with entropies reported {reported:.2f} ms; weighed {weighed:.2f} ms")
     return lines
 
 
@@ -494,7 +550,7 @@ def main() -> int:
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}")
-    checks = {"ops": ops, "fidelity": fidelity_check, "syncs": syncs, "op-timing": op_timing, "update": update,
+    checks = {"ops": ops, "fidelity": fidelity_check, "lm-head": lm_head, "syncs": syncs, "op-timing": op_timing, "update": update,
               "nccl": nccl, "fla-compile": fla_compile}
     began = time.perf_counter()
     for name in (s for s in SECTIONS if s in args.sections.split(",")):
