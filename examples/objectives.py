@@ -15,7 +15,8 @@ import torch
 def gspo(logprobs: torch.Tensor, inputs, eps: float = 0.2) -> torch.Tensor:
     """GSPO: -1/G sum_i min(s_i A_i, clip(s_i, 1 - eps, 1 + eps) A_i) over the G trajectories of the step
     with a trained position, s_i = exp(mean of (logprob - old) over trajectory i's trained positions) and
-    A_i its advantage (the same at every position). A trajectory without old_logprobs is on-policy (s_i = 1)."""
+    A_i the mean of its advantages there (one per trajectory in GRPO). A trajectory without old_logprobs is
+    on-policy (s_i = 1)."""
     trained = inputs.weight > 0
     old = inputs.old_logprobs if inputs.old_logprobs is not None else torch.full_like(logprobs, float("nan"))
     old = torch.where(old.isnan(), logprobs.detach(), old)   # none given: on-policy, ratio 1
@@ -24,7 +25,9 @@ def gspo(logprobs: torch.Tensor, inputs, eps: float = 0.2) -> torch.Tensor:
     zeros = torch.zeros(len(ids), dtype=torch.float64, device=logprobs.device)
     count = zeros.index_add(0, local, trained.to(torch.float64))
     ratio = torch.exp(zeros.index_add(0, local, log_ratio) / count.clamp(min=1))
-    advantage = zeros.scatter(0, local, inputs.advantages)   # one value per trajectory
+    # A_i: the mean advantage over i's trained positions (GRPO gives one per trajectory; frameworks often store
+    # it per token, 0 where masked, so untrained positions must not be read).
+    advantage = zeros.index_add(0, local, torch.where(trained, inputs.advantages, 0.0)) / count.clamp(min=1)
     term = -torch.minimum(ratio * advantage, ratio.clamp(1 - eps, 1 + eps) * advantage)
     return torch.where(count > 0, term, 0.0).sum() / max(inputs.trained_trajectories, 1)
 

@@ -201,34 +201,26 @@ _POLICY_FLAGS = ("clip_low", "clip_high", "kl_coef")   # what grpo and ppo read 
 
 
 def loss_config(args) -> LossConfig:
-    """The objective the flags ask for; UsageError (one line naming the flag) when a value is illegal, when
-    `--loss nll` or a custom objective is given a clip or KL value other than the default (it would be
-    ignored), or when `--objective` cannot be loaded or contradicts `--loss`."""
+    """The objective the flags ask for; UsageError (one line naming the flag) when a value is illegal or
+    would be ignored (a clip or KL value other than the default with nll or a custom objective: LossConfig
+    refuses it), or when `--objective` cannot be loaded or contradicts `--loss`."""
     if args.objective is not None and args.loss not in (None, "custom"):
         raise UsageError(f"--objective replaces the built-in loss, but --loss {args.loss} asks for one; "
                          "fix: drop --loss (or pass --loss custom)")
     kind = args.loss or ("custom" if args.objective is not None else "nll")
+    # Absent flags take LossConfig's defaults; a launcher may pass every flag with its default whatever the loss.
     given = {name: getattr(args, name) for name in _POLICY_FLAGS if getattr(args, name) is not None}
     objective = load_objective(args.objective) if args.objective is not None else None
-    config = LossConfig(kind=kind, moe_aux_coef=args.moe_aux_coef, moe_z_coef=args.moe_z_coef,
-                        entropy_coef=args.entropy_coef,
-                        reduction=args.reduction, objective=objective, **given)
-    # A launcher may pass every flag with its default whatever the loss; only a value that would matter is refused.
-    defaults = LossConfig()
-    ignored = [name for name, value in given.items() if value != getattr(defaults, name)]
-    if kind in ("nll", "custom") and ignored:
-        flag = "--" + ignored[0].replace("_", "-")
-        raise UsageError(f"{flag} has no effect with --loss {kind} (it shapes the grpo/ppo policy loss); "
-                         f"fix: drop {flag}" + (", or pass --loss grpo or --loss ppo" if kind == "nll"
-                                                 else " and apply it inside your objective"))
-    return config
+    return LossConfig(kind=kind, moe_aux_coef=args.moe_aux_coef, moe_z_coef=args.moe_z_coef,
+                      entropy_coef=args.entropy_coef, reduction=args.reduction, objective=objective, **given)
 
 
 def load_objective(spec: str):
     """`--objective MODULE:FUNCTION` or `PATH.py:FUNCTION` as a callable; UsageError (one line) otherwise.
 
     A dotted module is imported with the working directory on the path (as `python -m` would); a path is
-    loaded as a file, so a script next to the plan works without packaging.
+    loaded as a file with its folder on the path (as `python PATH.py` would), so a script next to the plan
+    works without packaging, importing its neighbours.
     """
     fix = "fix: pass --objective MODULE:FUNCTION (importable) or --objective PATH.py:FUNCTION"
     source, _, name = spec.rpartition(":")
@@ -238,6 +230,10 @@ def load_objective(spec: str):
         if source.endswith(".py") or os.sep in source:
             if not os.path.isfile(source):
                 raise UsageError(f"--objective {spec!r}: no file {source}; {fix}")
+            # As `python PATH.py` would: the file's folder on the path, so modules beside it import.
+            folder = os.path.dirname(os.path.abspath(source))
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
             module_spec = importlib.util.spec_from_file_location("harts_objective", source)
             module = importlib.util.module_from_spec(module_spec)
             sys.modules[module_spec.name] = module   # dataclasses and pickling look their module up there
@@ -326,8 +322,8 @@ def report(args, mode: str, plan, result) -> None:
                "original_tokens": original, "decoder_rows": result.rows, "window_producers": result.producers_run,
                "seconds": result.seconds,
                "tokens_per_second": original / result.seconds if result.seconds else 0.0}
-    if result.entropy is not None:
-        summary["entropy"] = result.entropy
+    if args.entropy or args.entropy_coef:
+        summary["entropy"] = result.entropy   # null on a step with no trained position
     if args.json:
         line, bad = json_summary(summary)
         print(line)
@@ -340,7 +336,8 @@ def report(args, mode: str, plan, result) -> None:
         print("harts run: warning: no position of the step has loss_mask 1 (index 0 never counts): the loss is 0 "
               "and every gradient is zero", file=sys.stderr)
     windows = f" ({result.producers_run} window producers)" if result.producers_run else ""
-    print(f"harts run: {mode}: loss {result.loss:.6f}, {original} tokens through {result.rows} decoder rows{windows} in "
+    entropy = f", entropy {result.entropy:.6f}" if result.entropy is not None else ""
+    print(f"harts run: {mode}: loss {result.loss:.6f}{entropy}, {original} tokens through {result.rows} decoder rows{windows} in "
           f"{result.seconds:.2f}s ({summary['tokens_per_second']:.0f} tokens/s)", file=sys.stderr)
 
 

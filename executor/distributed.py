@@ -87,7 +87,7 @@ def all_reduce_result(result, model) -> None:
     dist.all_reduce(sums)
     result.loss, result.objective, result.moe_aux_loss, result.moe_z_loss = (float(x) for x in sums[:4])
     result.rows, result.producers_run, result.producer_backward_passes = (int(x) for x in sums[4:])
-    if result.entropy is not None:   # asked for on every rank alike
+    if result.entropy is not None:   # asked for on every rank alike, and None on all when nothing is trained
         entropy = torch.tensor([result.entropy], dtype=torch.float64, device=device)
         dist.all_reduce(entropy)
         result.entropy = float(entropy[0])

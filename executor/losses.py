@@ -45,6 +45,7 @@ import torch
 from harts.schema.errors import UsageError
 
 LOSSES = ("nll", "grpo", "ppo", "custom")
+_DEFAULT_CLIP = 0.2   # both clip bounds; nll and custom objectives leave them at this
 REDUCTIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
@@ -54,17 +55,18 @@ class LossConfig:
 
     Invariants: `kind` in LOSSES, `reduction` in REDUCTIONS, 0 <= clip_low < 1
     (the lower clip bound 1 - clip_low stays positive, as a ratio is),
-    clip_high >= 0, the four coefficients finite and >= 0, kl_coef 0 for
-    nll and custom (which have no KL term), and `objective` a callable
-    exactly when kind is custom (the clip fields are then unused). A NaN or an
+    clip_high >= 0, the four coefficients finite and >= 0; for nll and
+    custom (which have no ratio to clip and no KL term) the clip fields at
+    their defaults and kl_coef 0; `objective` a callable exactly when kind
+    is custom. A NaN or an
     infinity here would silently turn the loss and every gradient into NaN,
     so it is refused with a ValueError that names the field, its `harts run`
     flag and the fix.
     """
 
     kind: str = "nll"          # nll | grpo | ppo | custom
-    clip_low: float = 0.2      # eps_low: ratio clipped below at 1 - clip_low
-    clip_high: float = 0.2     # eps_high: ratio clipped above at 1 + clip_high
+    clip_low: float = _DEFAULT_CLIP    # eps_low: ratio clipped below at 1 - clip_low
+    clip_high: float = _DEFAULT_CLIP   # eps_high: ratio clipped above at 1 + clip_high
     kl_coef: float = 0.0       # weight of the k3 KL estimate against ref_logprobs (0: off)
     moe_aux_coef: float = 0.0  # weight of the MoE load-balancing loss (0: reported only)
     moe_z_coef: float = 0.0    # weight of the router z-loss (0: reported only)
@@ -80,6 +82,12 @@ class LossConfig:
         _check_number("clip_high", self.clip_high, fix="pass --clip-high >= 0, e.g. 0.2 or 0.28")
         for name in ("kl_coef", "moe_aux_coef", "moe_z_coef", "entropy_coef"):
             _check_number(name, getattr(self, name), fix=f"pass {_flag(name)} >= 0 (0 turns the term off)")
+        for name in ("clip_low", "clip_high"):
+            if self.kind in ("nll", "custom") and getattr(self, name) != _DEFAULT_CLIP:
+                raise UsageError(f"LossConfig.{name} ({_flag(name)}) = {getattr(self, name)!r} has no effect with "
+                                 f"kind '{self.kind}' (it clips the grpo/ppo ratio); fix: leave it at "
+                                 f"{_DEFAULT_CLIP}" + (", or pick kind 'grpo' or 'ppo'" if self.kind == "nll"
+                                                       else " and clip inside your objective"))
         if self.kind in ("nll", "custom") and self.kl_coef:
             raise UsageError(f"LossConfig.kl_coef (--kl-coef) = {self.kl_coef!r} has no effect with kind "
                              f"'{self.kind}' (the KL term belongs to the grpo/ppo policy loss); fix: set kl_coef "
@@ -230,9 +238,20 @@ def policy_loss(logprobs_P: torch.Tensor, meta: PositionMeta, config: LossConfig
 
 
 def _custom_share(objective: Objective, lam: torch.Tensor, meta: PositionMeta) -> torch.Tensor:
-    """The caller's objective on one microbatch, as a float64 scalar; a UsageError when what it returns
-    cannot be summed into the step objective, or would silently train nothing."""
-    value = objective(lam, meta)
+    """The caller's objective on one microbatch, as a float64 scalar; a UsageError (one line, the cause
+    chained) when it raises, or returns what cannot be summed into the step objective or would silently
+    train nothing. Where the microbatch has no trained position, any constant (0.0, a detached tensor) is
+    a share that trains nothing."""
+    try:
+        value = objective(lam, meta)
+    except UsageError:
+        raise
+    except Exception as err:   # the caller's code: name it and where it failed, in one line
+        raise UsageError(f"the custom objective raised {_where(err)}{_entropy_hint(err, meta)}; fix: correct "
+                         "the objective (the exception is chained to this error)") from err
+    trained = bool((meta.weight > 0).any())
+    if not trained and not isinstance(value, bool) and isinstance(value, (int, float)):
+        value = torch.tensor(float(value), dtype=torch.float64, device=lam.device)
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
         got = (f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
                else f"a {type(value).__name__}")
@@ -240,12 +259,29 @@ def _custom_share(objective: Objective, lam: torch.Tensor, meta: PositionMeta) -
                          "objective as one floating-point tensor element (e.g. (terms * inputs.weight).sum())")
     value = value.reshape(()).to(torch.float64)
     if lam.requires_grad and not value.requires_grad:
-        if bool((meta.weight > 0).any()):
+        if trained:
             raise UsageError("the custom objective returned a value with no gradient path to the log-probabilities "
                              "of a microbatch with trained positions (detached, or rebuilt from .item() or numpy); "
                              "fix: compute it with torch operations on the logprobs tensor it is given")
-        value = value + lam.sum() * 0.0   # nothing trained here: a zero share that still runs the backward
+        value = value + lam.sum() * 0.0   # nothing trained here: a constant share that still runs the backward
     return value
+
+
+def _where(err: Exception) -> str:
+    """'Type: message (file:line)' of an exception, at the innermost frame that raised it."""
+    frame = err.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    place = f" at {frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}" if frame is not None else ""
+    message = str(err).splitlines()[0] if str(err) else ""
+    return f"{type(err).__name__}: {message}{place}"
+
+
+def _entropy_hint(err: Exception, meta: PositionMeta) -> str:
+    if meta.entropy is None and isinstance(err, (TypeError, AttributeError)) and "NoneType" in str(err):
+        return " (inputs.entropy, old_logprobs and ref_logprobs may be None: entropies need run(entropy=True), " \
+               "harts run --entropy or an entropy_coef)"
+    return ""
 
 
 def _where_trained(given: torch.Tensor | None, weight: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:

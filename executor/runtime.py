@@ -45,7 +45,8 @@ class StepResult:
     producer_backward_passes: int = 0  # autograd traversals of producer graphs (one per producer)
     most_live_producers: int = 0       # producer graphs held at once (memory)
     # The reduction of the per-position entropies (the loss's weights: with token-mean, the mean entropy of the
-    # trained positions); None unless asked for (`entropy=True`) or weighed (`LossConfig.entropy_coef`).
+    # trained positions); None unless asked for (`entropy=True`) or weighed (`LossConfig.entropy_coef`), and
+    # None on a step with no trained position.
     entropy: float | None = None
 
 
@@ -237,4 +238,6 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
                       moe_z_loss=z_total, seconds=time.perf_counter() - started, rows=rows + schedule.rows,
                       microbatch_seconds=times, producers_run=schedule.producers_run,
                       producer_backward_passes=schedule.backward_passes,
-                      most_live_producers=schedule.most_live, entropy=entropy_total if with_entropy else None)
+                      most_live_producers=schedule.most_live,
+                      # No trained position: no entropy to report (0.0 would read as a collapsed policy).
+                      entropy=entropy_total if with_entropy and counts[0] else None)

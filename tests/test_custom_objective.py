@@ -22,7 +22,7 @@ import torch
 import harts.api as harts
 from harts.cli import main as harts_cli
 from harts.executor.cli import load_objective
-from harts.executor.losses import LossConfig
+from harts.executor.losses import LossConfig, PositionMeta, policy_loss
 from harts.executor.models.hf_reference import trajectory_logprobs
 from harts.executor.runtime import run_step
 from harts.schema.errors import UsageError
@@ -41,23 +41,26 @@ def model():
 
 @pytest.fixture(scope="module")
 def step(model):
-    """Sequence advantages of both signs, masks, and old log-probabilities perturbed per trajectory so that
-    sequence ratios fall on both sides of the clip range; one trajectory has no trained position."""
+    """Sequence advantages of both signs (per token, 0 where masked), masks, and old log-probabilities
+    perturbed per trajectory so that sequence ratios fall on both sides of the clip range; one trajectory
+    has no trained position."""
     rng = np.random.default_rng(11)
     lists = boundary_tree(rng)
     with torch.no_grad():
         current = [trajectory_logprobs(model, t).numpy().astype(np.float64) for t in lists]
-    masks, advantages, old = [], [], []
+    masks, advantages, sequence_advantage, old = [], [], [], []
     for i, (tokens, lp) in enumerate(zip(lists, current)):
         n = len(tokens)
         mask = (rng.random(n) < 0.8).astype(int)
         if i == 3:
             mask[:] = 0
         masks.append(mask.tolist())
-        advantages.append([float(rng.choice([-1.0, 1.0]) * rng.uniform(0.5, 2.0))] * n)
+        # One advantage per trajectory, stored per token as frameworks often do: 0 where not trained.
+        sequence_advantage.append(float(rng.choice([-1.0, 1.0]) * rng.uniform(0.5, 2.0)))
+        advantages.append((sequence_advantage[-1] * mask).tolist())
         shift = rng.choice([-0.6, 0.0, 0.6])      # moves the sequence ratio outside [1 - EPS, 1 + EPS] or not
         old.append([0.0] + (lp + shift + rng.normal(0.0, 0.1, n - 1)).tolist())
-    return dict(lists=lists, masks=masks, advantages=advantages, old=old)
+    return dict(lists=lists, masks=masks, advantages=advantages, sequence_advantage=sequence_advantage, old=old)
 
 
 def gspo_reference(lp_of, data) -> torch.Tensor:
@@ -71,7 +74,7 @@ def gspo_reference(lp_of, data) -> torch.Tensor:
         mean = sum(lp_of[i][t - 1] - (lp_of[i][t - 1].detach() if old[t] is None else old[t])
                    for t in trained) / len(trained)
         ratio = torch.exp(mean)
-        advantage = data["advantages"][i][0]
+        advantage = data["sequence_advantage"][i]
         terms.append(-torch.minimum(ratio * advantage, torch.clamp(ratio, 1 - EPS, 1 + EPS) * advantage))
     return sum(terms) / len(terms)
 
@@ -142,7 +145,7 @@ def test_sequence_level_objective_without_old_logprobs_is_on_policy(model, step)
     plan = compile_step(data, capacity=180, dp=2, levels="l1+l2")
     result = harts.run(plan, model, loss=example("gspo"))
     want, want_grads = hf_objective(model, data, gspo_reference)
-    active = [a[0] for a, m in zip(step["advantages"], step["masks"]) if any(m[1:])]
+    active = [a for a, m in zip(step["sequence_advantage"], step["masks"]) if any(m[1:])]
     assert result.loss == pytest.approx(-np.mean(active), rel=1e-6) and want == pytest.approx(-np.mean(active))
     floor = gradient_floor(want_grads)
     worst = max((relative_error(result.grads[n], g, floor), n) for n, g in want_grads.items())
@@ -242,9 +245,47 @@ def test_a_detached_zero_where_nothing_is_trained_is_accepted(model, step):
     # A microbatch whose positions are all untrained may return a constant: it contributes nothing.
     data = dict(step, masks=[[0] * len(t) for t in step["lists"]])
     plan = compile_step(data, capacity=180, dp=2, levels="l1")
-    result = harts.run(plan, model, loss=lambda lp, inputs: torch.zeros((), dtype=torch.float64))
-    assert result.loss == 0.0
-    assert all(float(g.abs().max()) == 0.0 for g in result.grads.values())
+    for constant in (torch.zeros((), dtype=torch.float64), 0.0, 0):
+        result = harts.run(plan, model, loss=lambda lp, inputs: constant, entropy=True)
+        assert result.loss == 0.0
+        assert all(float(g.abs().max()) == 0.0 for g in result.grads.values())
+        assert result.entropy is None   # nothing trained: no entropy to report (0.0 would read as collapse)
+
+
+def test_a_constant_share_is_refused_only_where_positions_are_trained():
+    # The common early return: `0.0` for a microbatch with nothing to train is a share; the same return for a
+    # microbatch with trained positions would train nothing and is refused.
+    def meta(weight):
+        n = len(weight)
+        return PositionMeta(weight=torch.tensor(weight, dtype=torch.float64), advantages=torch.zeros(n),
+                            old_logprobs=None, ref_logprobs=None, trajectory=torch.zeros(n, dtype=torch.long),
+                            position=torch.arange(1, n + 1), loss_mask=torch.tensor(weight).gt(0).double(),
+                            trained_positions=1, trained_trajectories=1)
+
+    def early_return(lp, inputs):
+        return 0.0 if not bool((inputs.weight > 0).any()) else (lp * inputs.weight).sum()
+
+    config = LossConfig(kind="custom", objective=lambda lp, inputs: 0.0)
+    lam = torch.tensor([-1.0, -2.0], dtype=torch.float64, requires_grad=True)
+    share = policy_loss(lam, meta([0.0, 0.0]), config)
+    share.backward()
+    assert float(share.detach()) == 0.0 and torch.equal(lam.grad, torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(UsageError, match="a float"):
+        policy_loss(lam, meta([0.0, 1.0]), config)
+    assert policy_loss(lam, meta([0.0, 1.0]), LossConfig(kind="custom", objective=early_return)).requires_grad
+
+
+def test_an_objective_that_raises_is_one_line_naming_where(model, step):
+    plan = compile_step(step, capacity=4096, levels="l1")
+
+    def broken(logprobs, inputs):
+        return {"a": logprobs.sum()}["boom"]
+
+    with pytest.raises(UsageError, match=r"raised KeyError: 'boom' at .*test_custom_objective.py:\d+") as caught:
+        harts.run(plan, model, loss=broken)
+    assert isinstance(caught.value.__cause__, KeyError)   # the original, with its traceback, is chained
+    with pytest.raises(UsageError, match="entropies need run\\(entropy=True\\)"):
+        harts.run(plan, model, loss=lambda lp, inputs: (lp * inputs.entropy).sum())
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -252,6 +293,8 @@ def test_a_detached_zero_where_nothing_is_trained_is_accepted(model, step):
     (dict(kind="grpo", objective=lambda lp, inputs: lp.sum()), "would ignore it"),
     (dict(kind="custom", objective=lambda lp, inputs: lp.sum(), kl_coef=0.1), "inside your objective"),
     (dict(kind="custom", objective="my_module:fn"), "needs objective, a callable"),
+    (dict(kind="custom", objective=lambda lp, inputs: lp.sum(), clip_high=0.28), "clip inside your objective"),
+    (dict(kind="nll", clip_low=0.1), "pick kind 'grpo' or 'ppo'"),
 ])
 def test_loss_config_refuses_an_objective_it_cannot_use(fields, message):
     with pytest.raises(UsageError, match=message):
@@ -260,9 +303,10 @@ def test_loss_config_refuses_an_objective_it_cannot_use(fields, message):
 
 OBJECTIVE_FILE = '''
 import torch
+from my_constants import SIGN   # a module beside this file
 
 def mean_logprob(logprobs, inputs):
-    return -(logprobs * inputs.weight).sum()
+    return SIGN * (logprobs * inputs.weight).sum()
 
 not_callable = 3
 '''
@@ -274,6 +318,7 @@ def workspace(tmp_path_factory):
              {"id": "b", "tokens": [5, 6, 7, 8, 20, 21], "advantages": -0.5, "loss_mask": [0, 0, 0, 0, 1, 1]}]
     path = make_run_workspace(tmp_path_factory.mktemp("objective"), trees)
     (path / "my_objectives.py").write_text(OBJECTIVE_FILE)
+    (path / "my_constants.py").write_text("SIGN = -1.0\n")
     return path
 
 
@@ -283,9 +328,11 @@ def _run(workspace, *flags, out="g.safetensors"):
 
 
 @pytest.mark.parametrize("spec", ["FILE:mean_logprob", "my_objectives:mean_logprob"], ids=["path", "module"])
-def test_harts_run_objective_flag_equals_nll(workspace, spec, monkeypatch, capsys):
+def test_harts_run_objective_flag_equals_nll(workspace, spec, monkeypatch, capsys, tmp_path):
     # -(weight x logprob) summed is exactly the built-in nll, so the two runs must write the same gradients.
-    monkeypatch.chdir(workspace)
+    # A module is found from the working directory; a PATH.py from anywhere, with the modules beside it.
+    monkeypatch.chdir(workspace if spec.startswith("my_objectives") else tmp_path)
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
     spec = spec.replace("FILE", str(workspace / "my_objectives.py"))
     assert _run(workspace, "--objective", spec, out="custom.safetensors") == 0
     custom = capsys.readouterr().out
@@ -307,7 +354,7 @@ def test_harts_run_objective_flag_equals_nll(workspace, spec, monkeypatch, capsy
     (["--objective", "nowhere/x.py:f"], "no file nowhere/x.py"),
     (["--objective", "FILE:mean_logprob", "--loss", "grpo"], "replaces the built-in loss"),
     (["--objective", "FILE:mean_logprob", "--kl-coef", "0.1"], "inside your objective"),
-    (["--objective", "FILE:mean_logprob", "--clip-high", "0.3"], "apply it inside your objective"),
+    (["--objective", "FILE:mean_logprob", "--clip-high", "0.3"], "clip inside your objective"),
     (["--loss", "custom"], "needs objective"),
 ])
 def test_harts_run_refuses_a_bad_objective_flag_in_one_line(workspace, flags, message, capsys):
