@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from harts.compiler.passes.partition_ffd import SHARD_UNITS
+from harts.compiler.ir.trajectories import positive_logprob_warnings
 from harts.compiler.pipeline import LEVELS, PLANNERS, CompileOptions, check_options, compile_batch
 from harts.progress import terminal_progress
 from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         batch = read_trees(args.trees, vocab_size=args.vocab_size, capacity=args.capacity)
         read_seconds = time.perf_counter() - t0
+        for line in positive_logprob_warnings(batch):
+            print(f"hartsc: warning: {args.trees}: {line}", file=sys.stderr)
         result = compile_batch(batch, options, progress=terminal_progress)
         planning = result.planning_seconds
         timing = {"read_seconds": read_seconds, "planning_seconds": planning, "pass_seconds": result.pass_seconds}

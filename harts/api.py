@@ -21,11 +21,12 @@ reports is a `HartsError`.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
 
-from harts.compiler.ir.trajectories import TrajectoryBatch, never_read
+from harts.compiler.ir.trajectories import TrajectoryBatch, never_read, positive_logprob_warnings
 from harts.compiler.pipeline import CompileOptions, check_options, compile_batch
 from harts.executor.losses import LossConfig, Objective, PositionMeta
 from harts.executor.runtime import StepResult, run_step
@@ -168,6 +169,8 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
     if max(lengths) > capacity:
         raise ValueError(f"a trajectory has {max(lengths)} tokens, more than capacity {capacity}; "
                          "fix: raise capacity or truncate it")
+    for line in positive_logprob_warnings(batch):   # legal, but almost always a sign mistake
+        warnings.warn(line, stacklevel=2)
     return compile_batch(batch, options).plan
 
 

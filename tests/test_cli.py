@@ -157,3 +157,27 @@ def test_console_scripts_run_the_demo(tmp_path):
     check = subprocess.run([sys.executable, "-m", "harts.tools.check", str(tmp_path / "step.plan")],
                            capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stderr
+
+
+def test_positive_logprobs_are_compiled_with_a_warning_naming_where(tmp_path, capsys):
+    # Negative log-likelihoods passed as old_logprobs: legal input (the plan is written), but every ppo ratio
+    # exp(logprob - old) would vanish; one warning line per field says where. Rounding above 0 (1e-7) and
+    # untrained positions (index 0, loss_mask 0) are not counted.
+    records = [
+        {"id": "ok", "tokens": [1, 2, 3, 4], "old_logprobs": [5.0, -1.0, 1e-7, -0.5], "ref_logprobs": [0, -1, -2, -3]},
+        {"id": "nll", "tokens": [1, 2, 5, 6], "loss_mask": [0, 0, 1, 1], "old_logprobs": [0.0, 9.0, 0.7, 1.25]},
+    ]
+    trees = write_trees(tmp_path / "trees.jsonl", records)
+    assert hartsc_main([str(trees), "-o", str(tmp_path / "step.plan")]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1, warnings
+    assert ("old_logprobs: 2 trained positions hold a log-probability above 0 (largest 1.25; first: "
+            "trajectory 'nll', line 2, index 2)") in warnings[0]
+    assert (tmp_path / "step.plan").exists()
+
+
+def test_positive_logprobs_warn_in_python_too():
+    import harts.api as harts
+    with pytest.warns(UserWarning, match="ref_logprobs: 1 trained positions hold a log-probability above 0"):
+        harts.compile_trajectories([[1, 2, 3], [1, 2, 4]], ref_logprobs=[[0.0, -1.0, 2.0], [0.0, -1.0, -1.0]],
+                                   capacity=64)

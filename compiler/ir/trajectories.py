@@ -24,6 +24,34 @@ def never_read(loss_mask: np.ndarray | None, num_tokens: int) -> np.ndarray:
     return unread
 
 
+# A log-probability is <= 0; samplers' rounding can leave a hair above it, a sign mistake leaves far more.
+POSITIVE_LOGPROB_TOLERANCE = 1e-3
+
+
+def positive_logprob_warnings(batch: "TrajectoryBatch") -> list[str]:
+    """One line per RL field whose trained positions (loss_mask 1, index >= 1) hold log-probabilities above 0
+    (beyond rounding): legal input, but almost always negative log-likelihoods or probabilities given by
+    mistake, which would make every ppo/grpo ratio exp(logprob - old) vanish or explode without an error."""
+    trained = batch.loss_mask.astype(bool)
+    trained[batch.token_offsets[:-1]] = False
+    lines = []
+    for field in ("old_logprobs", "ref_logprobs"):
+        values = getattr(batch, field)
+        if values is None:
+            continue
+        positive = np.flatnonzero(trained & (values > POSITIVE_LOGPROB_TOLERANCE))   # NaN compares False
+        if not len(positive):
+            continue
+        first = int(positive[0])
+        t = int(np.searchsorted(batch.token_offsets, first, side="right") - 1)
+        line = f", line {int(batch.lines[t])}" if batch.source != "<memory>" else ""
+        lines.append(f"{field}: {len(positive)} trained positions hold a log-probability above 0 (largest "
+                     f"{float(values[positive].max()):.4g}; first: trajectory {batch.ids[t]!r}{line}, index "
+                     f"{first - int(batch.token_offsets[t])}); log-probabilities are <= 0: were negative "
+                     "log-likelihoods or probabilities given?")
+    return lines
+
+
 @dataclass(frozen=True, slots=True)
 class TrajectoryBatch:
     """Validated trajectories of one training step.
