@@ -45,8 +45,8 @@ import torch
 from harts.schema.errors import UsageError
 
 LOSSES = ("nll", "grpo", "ppo", "custom")
-_DEFAULT_CLIP = 0.2   # both clip bounds; nll and custom objectives leave them at this
 REDUCTIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+_DEFAULT_CLIP = 0.2   # both clip bounds; nll and custom objectives leave them at this
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,8 +249,11 @@ def _custom_share(objective: Objective, lam: torch.Tensor, meta: PositionMeta) -
     except Exception as err:   # the caller's code: name it and where it failed, in one line
         raise UsageError(f"the custom objective raised {_where(err)}{_entropy_hint(err, meta)}; fix: correct "
                          "the objective (the exception is chained to this error)") from err
-    trained = bool((meta.weight > 0).any())
-    if not trained and not isinstance(value, bool) and isinstance(value, (int, float)):
+    # Whether anything here is trained is read from the device only when the answer matters (a host sync).
+    def trained() -> bool:
+        return bool((meta.weight > 0).any())
+
+    if not isinstance(value, bool) and isinstance(value, (int, float)) and not trained():
         value = torch.tensor(float(value), dtype=torch.float64, device=lam.device)
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
         got = (f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
@@ -259,7 +262,7 @@ def _custom_share(objective: Objective, lam: torch.Tensor, meta: PositionMeta) -
                          "objective as one floating-point tensor element (e.g. (terms * inputs.weight).sum())")
     value = value.reshape(()).to(torch.float64)
     if lam.requires_grad and not value.requires_grad:
-        if trained:
+        if trained():
             raise UsageError("the custom objective returned a value with no gradient path to the log-probabilities "
                              "of a microbatch with trained positions (detached, or rebuilt from .item() or numpy); "
                              "fix: compute it with torch operations on the logprobs tensor it is given")
