@@ -127,8 +127,8 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
 
     `entropy` also reports `StepResult.entropy`, the entropies of the trained positions' predictive
     distributions reduced with the loss's weights; `loss.entropy_coef` > 0 turns it on and adds
-    -entropy_coef x entropy to what is differentiated. It costs one more pass over each block of logits
-    (about +33% on the LM head's forward on CPU: benchmarks/bench_logprobs.py --entropy).
+    -entropy_coef x entropy to what is differentiated. It costs one more elementwise pass over each block
+    of logits (0-20% of the LM head's forward + backward on CPU: benchmarks/bench_logprobs.py --entropy).
 
     `logprobs` "all" recovers every position's log-probability; "loss" only
     those the objective weighs (loss_mask 1, position >= 1; the rest stay NaN

@@ -59,11 +59,12 @@ class _CompactLogprobs(torch.autograd.Function):
             logits_RV = hidden_CD[read_A[start:start + block_rows]].to(compute) @ weight_c.T
             if with_entropy:
                 # One exponential pass serves both: lse = m + log sum e, E_pi[z] = sum e z / sum e.
+                # In place where possible: a block of logits is the op's largest buffer (R x V).
                 peak_R = logits_RV.amax(dim=-1, keepdim=True)
-                scaled_RV = torch.exp(logits_RV - peak_R)
+                scaled_RV = logits_RV.sub(peak_R).exp_()
                 total_R = scaled_RV.sum(dim=-1)
                 lse_R = peak_R.squeeze(1) + torch.log(total_R)
-                entropy_A[start:start + block_rows] = lse_R - (scaled_RV * logits_RV).sum(dim=-1) / total_R
+                entropy_A[start:start + block_rows] = lse_R - scaled_RV.mul_(logits_RV).sum(dim=-1) / total_R
             else:
                 lse_R = torch.logsumexp(logits_RV, dim=-1)
             lse_A[start:start + block_rows] = lse_R
@@ -112,13 +113,15 @@ class _CompactLogprobs(torch.autograd.Function):
             rows_R = read_A[slots_R]
             hidden_RD = hidden_CD[rows_R].to(compute)
             logits_RV = hidden_RD @ weight_c.T
-            probs_RV = torch.exp(logits_RV - lse_A[slots_R, None])
-            weight_RV = row_grad_A[slots_R, None]
+            # In place: two R x V buffers (the logits, then the softmax turned into the gradient).
+            grad_logits_RV = logits_RV.sub(lse_A[slots_R, None]).exp_()
             if row_entropy_grad_A is not None:
-                # dH/dz = -pi * (z - E_pi[z]), with E_pi[z] = lse - H.
+                # dH/dz = -pi * (z - E_pi[z]), with E_pi[z] = lse - H; the logits become the per-entry weight.
                 expected_R = lse_A[slots_R] - entropy_A[slots_R]
-                weight_RV = weight_RV + row_entropy_grad_A[slots_R, None] * (logits_RV - expected_R[:, None])
-            grad_logits_RV = -probs_RV * weight_RV
+                weight_RV = logits_RV.sub_(expected_R[:, None]).mul_(row_entropy_grad_A[slots_R, None])
+                grad_logits_RV.mul_(weight_RV.add_(row_grad_A[slots_R, None])).neg_()
+            else:
+                grad_logits_RV.mul_(row_grad_A[slots_R, None]).neg_()
             lo, hi = bounds[b], bounds[b + 1]
             picked = live_L[lo:hi]
             grad_logits_RV.index_put_((rank_L[lo:hi] - start, position_label_P[picked]), grad_P[picked],
