@@ -74,6 +74,9 @@ class _CompactLogprobs(torch.autograd.Function):
         ctx.block_rows = block_rows
         entropy_P = entropy_A[slot_P] if with_entropy else entropy_A
         ctx.mark_non_differentiable(*(() if with_entropy else (entropy_P,)))
+        # An output the loss never used arrives as None, not zeros: entropies that are only reported cost the
+        # backward no pass over them (and on a GPU, no nonzero() wait).
+        ctx.set_materialize_grads(False)
         return target_P - lse_A[slot_P], entropy_P
 
     @staticmethod
@@ -83,7 +86,7 @@ class _CompactLogprobs(torch.autograd.Function):
         compute = lse_A.dtype
         device = hidden_CD.device
         weight_c = weight_VD.to(compute)
-        grad_P = grad_P.to(compute)
+        grad_P = torch.zeros_like(lse_A[slot_P]) if grad_P is None else grad_P.to(compute)
         A = read_A.shape[0]
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.zeros_like(hidden_CD, dtype=compute) if need_hidden else None
@@ -94,8 +97,7 @@ class _CompactLogprobs(torch.autograd.Function):
         live_L = torch.nonzero(grad_P).squeeze(1)
         live_rows = slot_P[live_L]
         row_entropy_grad_A = None
-        live_H = torch.nonzero(grad_entropy_P).squeeze(1) if entropy_A.numel() and grad_entropy_P is not None \
-            else slot_P[:0]
+        live_H = torch.nonzero(grad_entropy_P).squeeze(1) if grad_entropy_P is not None else slot_P[:0]
         if live_H.numel():   # entropies asked for but never used in the loss cost no backward work
             grad_entropy_P = grad_entropy_P.to(compute)
             row_entropy_grad_A = torch.zeros(A, dtype=compute, device=device).index_add_(0, slot_P, grad_entropy_P)
