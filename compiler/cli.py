@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         # Flags and output paths are checked before the (possibly minutes-long) read and compile.
         check_options(options)
         output = check_output_path(args.output, inputs=[args.trees])
-        sidecar = check_output_path(timing_path(output), inputs=[args.trees])
+        # Beside the name given: `harts stats` looks for it there even when the plan is a link.
+        sidecar = check_output_path(timing_path(args.output), inputs=[args.trees])
         from harts.compiler.read_trees import read_trees
         t0 = time.perf_counter()
         batch = read_trees(args.trees, vocab_size=args.vocab_size, capacity=args.capacity)

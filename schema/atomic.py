@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import stat
 from pathlib import Path
 
 from harts.schema.errors import OutputError
@@ -22,21 +23,41 @@ def _reason(err: OSError) -> str:
     return err.strerror or type(err).__name__
 
 
+def _special_kind(path: Path) -> str | None:
+    """What an existing non-regular, non-folder file is ('a character device', ...); None otherwise."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    for test, kind in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return None
+
+
 def check_output_path(path: str | os.PathLike, *, inputs=()) -> Path:
-    """Refuse, before any work, an output path that cannot become a file; returns it as a Path.
+    """Refuse, before any work, an output path that cannot become a file; returns the Path to replace.
 
     Refused: an empty path; one naming a folder (an existing folder, or a
-    trailing separator); one under an existing file; one in a folder that
-    exists but cannot be written; one that is the same file as any of
-    `inputs` (it would be replaced by the output). Missing folders are fine:
-    `atomic_output` creates them.
+    trailing separator); one naming a device, a named pipe or a socket (the
+    rename that makes an output appear would replace the node itself: run
+    as root, `-o /dev/null` would turn the system's null device into a
+    file); one under an existing file; one in a folder that exists but
+    cannot be written; one that is the same file as any of `inputs` (it
+    would be replaced by the output). Missing folders are fine:
+    `atomic_output` creates them. A symbolic link is written through: the
+    returned path is the file it points to, so the link stays.
     """
     text = os.fspath(path)
     if not text:
         raise OutputError("''", "the output path is empty", "give a file name")
-    if text.endswith(("/", os.sep)) or Path(text).is_dir():
+    target = Path(os.path.realpath(text)) if Path(text).is_symlink() else Path(text)
+    if text.endswith(("/", os.sep)) or target.is_dir():
         raise OutputError(text, "it names a folder, not a file", f"give a file name, e.g. {Path(text) / 'out'}")
-    target = Path(text)
+    kind = _special_kind(target)
+    if kind is not None:
+        raise OutputError(text, f"it is {kind}, not a regular file", "give the path of a regular file")
     for source in inputs:
         with contextlib.suppress(OSError):
             if target.exists() and os.path.samefile(target, source):
@@ -57,14 +78,15 @@ def check_can_create_under(label: str, folder: Path) -> None:
 
 
 def _temporary_beside(path: Path):
-    """Create the parent folders and an exclusive temporary file next to `path`; (fd, temp path)."""
-    check_output_path(path)
+    """Create the parent folders and an exclusive temporary file next to the file `path` names (a link's
+    target); (fd, temp path, the path to rename it to)."""
+    path = check_output_path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         # Mode 0o666 (less the umask), as any new file gets, rather than mkstemp's
         # 0600: the mode survives the rename.
-        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp, path
     except OSError as err:
         raise OutputError(path, _reason(err), "check that the folder exists as a folder and is writable") from err
 
@@ -76,8 +98,7 @@ def atomic_output(path: str | os.PathLike):
     Failures of creating, syncing or renaming the file raise `OutputError`;
     an exception raised by the caller's writing passes through unchanged.
     """
-    path = Path(path)
-    fd, tmp = _temporary_beside(path)
+    fd, tmp, path = _temporary_beside(Path(path))
     try:
         with os.fdopen(fd, "wb") as out:
             yield out
@@ -112,8 +133,7 @@ def atomic_write_files(files: dict) -> None:
     staged: list[tuple[Path, Path]] = []
     try:
         for path, data in files.items():
-            path = Path(path)
-            fd, tmp = _temporary_beside(path)
+            fd, tmp, path = _temporary_beside(Path(path))
             staged.append((path, tmp))
             try:
                 with os.fdopen(fd, "wb") as out:

@@ -11,6 +11,8 @@ record and field in one line. Damaged plans are made with the project's own
 from __future__ import annotations
 
 import json
+import os
+import stat
 import warnings
 
 import numpy as np
@@ -82,6 +84,38 @@ def test_bad_output_path_is_one_line_before_reading(tmp_path, capsys, unread, ca
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert trees.read_bytes() == write_trees(tmp_path / "again.jsonl").read_bytes()
     assert (tmp_path / "afile").read_text() == "keep"
+
+
+@pytest.mark.parametrize("kind", ["named pipe", "character device"])
+def test_a_special_file_as_output_is_refused_and_kept(tmp_path, capsys, unread, kind):
+    """The rename that makes an output appear would replace the node itself (as root, `-o /dev/null`
+    turned the null device into a plain file); it is refused and left as it was."""
+    trees = write_trees(tmp_path / "trees.jsonl")
+    node = tmp_path / "node"
+    if kind == "named pipe":
+        os.mkfifo(node)
+    else:
+        try:
+            os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))   # a second null device
+        except PermissionError:
+            pytest.skip("creating a device node needs root")
+    assert hartsc_main([str(trees), "-o", str(node)]) == 2
+    assert f"it is a {kind}, not a regular file" in one_line(capsys, "hartsc: cannot write")
+    assert (stat.S_ISFIFO if kind == "named pipe" else stat.S_ISCHR)(node.lstat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["node", "trees.jsonl"]
+
+
+def test_a_symlinked_output_is_written_through(tmp_path, capsys):
+    """The link stays and its target gets the plan; the sidecar sits beside the name given, where
+    `harts stats` looks for it."""
+    trees = write_trees(tmp_path / "trees.jsonl")
+    (tmp_path / "plans").mkdir()
+    link = tmp_path / "link.plan"
+    link.symlink_to(tmp_path / "plans" / "real.plan")
+    assert hartsc_main([str(trees), "-o", str(link), *COMPILE_FLAGS]) == 0
+    assert link.is_symlink() and (tmp_path / "plans" / "real.plan").is_file()
+    assert timing_path(link).is_file() and not timing_path(tmp_path / "plans" / "real.plan").exists()
+    assert len(read_plan(link).microbatches) == 6
 
 
 def test_plan_and_sidecar_are_written_all_or_none(tmp_path, capsys, monkeypatch):
