@@ -2,9 +2,10 @@
 
 Reads: one JSON object per line, exactly as contract section 1 defines it
 (`id`, `tokens`, and optional `tree`, `loss_mask`, `advantages`,
-`old_logprobs`, `ref_logprobs`; other keys are ignored). A file that starts
-with zstd's magic number, or whose name ends in `.zst` (any case), is
-zstd-compressed and is decompressed as a stream.
+`old_logprobs`, `ref_logprobs`; other keys are ignored). A file or pipe that
+starts with zstd's magic number, or whose name ends in `.zst` (any case), is
+zstd-compressed and is decompressed as a stream; gzip and HARTS plans are
+refused by name.
 
 Produces: a `TrajectoryBatch` in file order whose every documented invariant
 holds, or raises `InputError` naming the file, the 1-based physical line, the
@@ -48,6 +49,7 @@ import zstandard
 
 from harts.compiler.ir.trajectories import TrajectoryBatch, never_read
 from harts.schema.errors import InputError, UsageError
+from harts.schema.plan import MAGIC as PLAN_MAGIC
 
 __all__ = ["read_trees"]
 
@@ -60,6 +62,7 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _ZSTD_READ_BYTES = 1 << 17
 _UTF8_BOM = b"\xef\xbb\xbf"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"   # every zstd frame starts with 0xFD2FB528, little-endian
+_GZIP_MAGIC = b"\x1f\x8b"
 _MISSING = object()
 
 _FIX_LINE = 'write one JSON object per line, e.g. {"id": 7, "tokens": [1, 2, 3]}'
@@ -123,8 +126,7 @@ def read_trees(path: str | os.PathLike, *, vocab_size: int | None = None,
     token_arrays: list[np.ndarray] = []  # int32, parallel to `trajectories`
     # str(id) -> (line, id): ids must be unique as strings, see module docstring.
     first_line_of: dict[str, tuple[int, str | int]] = {}
-    compressed = _is_zstd(source)
-    numbered_lines = _numbered_lines(source, compressed)
+    compressed, numbered_lines = _open_lines(source)
     try:
         for line_number, line in numbered_lines:
             if line_number == 1 and line.startswith(_UTF8_BOM):
@@ -159,35 +161,56 @@ def read_trees(path: str | os.PathLike, *, vocab_size: int | None = None,
 
 # --- reading lines ---------------------------------------------------------------------------
 
-def _is_zstd(source: str) -> bool:
-    """Whether to decompress: the name ends in .zst (then anything else is a corrupted stream), or a regular file
-    starts with a zstd frame's magic number (`trees.jsonl.ZST`, `.zstd`, no suffix). A pipe (`/dev/stdin`,
-    `<(zcat ...)`) is not peeked at: its bytes would be gone. Unreadable: False, and `_numbered_lines`
-    reports why."""
-    if source.lower().endswith(".zst"):
-        return True
-    if not os.path.isfile(source):
-        return False
+def _open_lines(source: str) -> tuple[bool, Iterator[tuple[int, bytes]]]:
+    """Open `source` and tell its format from its first bytes: (compressed, its numbered lines).
+
+    The first bytes are peeked at through the file's buffer, not consumed, so
+    a pipe (`/dev/stdin`, `<(zstd -c ...)`) is recognised as well as a file.
+    zstd: the name ends in .zst (any case; then anything else is a corrupted
+    stream) or the bytes start with a zstd frame's magic number. A gzip
+    stream and a HARTS plan are refused by name rather than parsed as
+    malformed JSON. Failures to open or read raise `InputError`.
+    """
     try:
-        with open(source, "rb") as file:
-            return file.read(len(_ZSTD_MAGIC)) == _ZSTD_MAGIC
-    except OSError:
-        return False
+        file = open(source, "rb")
+    except OSError as err:
+        raise _read_error(source, err) from None
+    try:
+        head = file.peek(len(PLAN_MAGIC))[:len(PLAN_MAGIC)]
+    except OSError as err:
+        file.close()
+        raise _read_error(source, err) from None
+    compressed = source.lower().endswith(".zst") or head.startswith(_ZSTD_MAGIC)
+    refusal = None
+    if not compressed and head.startswith(_GZIP_MAGIC):
+        refusal = ("a gzip stream, which HARTS does not read",
+                   "decompress it (`gunzip -k FILE`) or compress with zstd instead (`zstd trees.jsonl`)")
+    elif head == PLAN_MAGIC:
+        refusal = ("a HARTS plan, not trajectories", "pass the trees.jsonl the plan was compiled from")
+    if refusal is not None:
+        file.close()
+        raise InputError(source, None, None, *refusal)
+    return compressed, _numbered_lines(file, source, compressed)
 
 
-def _numbered_lines(source: str, compressed: bool) -> Iterator[tuple[int, bytes]]:
-    """Yield (1-based physical line number, raw line bytes); I/O failures become InputError.
+def _read_error(source: str, err: OSError) -> InputError:
+    return InputError(source, None, None, f"cannot read the file ({err.strerror or err})",
+                      "check the path and the file's permissions")
+
+
+def _numbered_lines(file, source: str, compressed: bool) -> Iterator[tuple[int, bytes]]:
+    """Yield (1-based physical line number, raw line bytes) of the open `file`, then close it; I/O failures
+    become InputError.
 
     Errors are raised inside this generator, so an InputError raised by the
     caller's loop body is never mistaken for a read failure.
     """
     try:
-        with open(source, "rb") as file:
+        with file:
             lines = _split_lines(_zstd_chunks(file, source)) if compressed else file
             yield from enumerate(lines, start=1)
     except OSError as err:
-        raise InputError(source, None, None, f"cannot read the file ({err.strerror or err})",
-                         "check the path and the file's permissions") from None
+        raise _read_error(source, err) from None
     except zstandard.ZstdError as err:
         raise InputError(source, None, None, f"corrupted zstd stream ({err})",
                          "re-create the file with `zstd`, or pass the uncompressed .jsonl") from None

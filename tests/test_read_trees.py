@@ -9,6 +9,7 @@ invariants the rest of the compiler relies on without re-checking.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import threading
@@ -21,6 +22,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harts.api import compile_trajectories, write_plan
 from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.read_trees import _split_lines, read_trees
 from harts.schema.errors import InputError
@@ -244,22 +246,44 @@ def test_zstd_is_recognised_by_its_magic_number_whatever_the_name(tmp_path, name
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
-def test_a_pipe_is_read_whole(tmp_path):
-    # `hartsc /dev/stdin` or `<(zcat ...)`: peeking at the first bytes for zstd's magic number would eat them
-    # (and reopening the drained pipe would wait for a writer forever, hence the reader's own thread).
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_pipe_is_read_whole(tmp_path, compressed):
+    # `hartsc /dev/stdin` or `hartsc <(zstd -c ...)`: the first bytes are peeked at through the buffer, so a pipe
+    # keeps them and a zstd stream in a pipe is recognised (reopening a drained pipe would wait for a writer
+    # forever, hence the reader's own thread).
     lines = [GOOD, '{"id": "b", "tokens": [4, 5, 6, 7]}']
+    data = ("\n".join(lines) + "\n").encode()
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     result = {}
-    reader = threading.Thread(target=lambda: result.update(batch=read_trees(fifo)), daemon=True)
+
+    def read():
+        try:
+            result["batch"] = read_trees(fifo)
+        except Exception as err:   # reported by the assertion below
+            result["error"] = err
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    fifo.write_text("\n".join(lines) + "\n")
+    fifo.write_bytes(zstandard.ZstdCompressor().compress(data) if compressed else data)
     reader.join(timeout=30)
     if reader.is_alive():
         fifo.write_text("")   # let the stuck reader finish
-    assert not reader.is_alive() and "batch" in result, "the pipe was not read in one pass"
+    assert not reader.is_alive() and "batch" in result, result.get("error", "the pipe was not read in one pass")
     assert result["batch"].ids == (0, "b")
     np.testing.assert_array_equal(result["batch"].tokens, read_trees(write(tmp_path, lines)).tokens)
+
+
+def test_a_gzip_file_is_refused_by_name(tmp_path):
+    path = tmp_path / "trees.jsonl.gz"
+    path.write_bytes(gzip.compress((GOOD + "\n").encode()))
+    _assert_file_error(path, "a gzip stream, which HARTS does not read")
+
+
+def test_a_plan_given_as_trajectories_is_refused_by_name(tmp_path):
+    plan = compile_trajectories([[1, 2, 3, 4]], capacity=8, chunk_size=2)
+    path = tmp_path / "step.plan"
+    write_plan(plan, path)
+    _assert_file_error(path, "a HARTS plan, not trajectories")
 
 
 def test_truncated_zstd_is_rejected_not_read_short(tmp_path):
