@@ -5,7 +5,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 from harts.compiler.passes.partition_ffd import SHARD_UNITS
 from harts.compiler.ir.trajectories import positive_logprob_warnings
@@ -16,12 +15,7 @@ from harts.schema.errors import HartsError
 from harts.schema.atomic import atomic_write_files, check_output_path
 from harts.schema.plan import encode_plan
 from harts.schema.summary import plan_statistics
-
-
-def timing_path(plan_path: str | Path) -> Path:
-    """Planning time lives beside the plan, so that the plan itself stays byte-identical across runs."""
-    plan_path = Path(plan_path)
-    return plan_path.with_name(plan_path.name + ".timing.json")
+from harts.schema.timing import plan_digest, timing_path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,10 +77,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hartsc: warning: {args.trees}: {line}", file=sys.stderr)
         result = compile_batch(batch, options, progress=terminal_progress)
         planning = result.planning_seconds
-        timing = {"read_seconds": read_seconds, "planning_seconds": planning, "pass_seconds": result.pass_seconds}
+        encoded = encode_plan(result.plan)
+        # The plan's digest lets `harts stats` tell this record from one left beside a plan written since.
+        timing = {"read_seconds": read_seconds, "planning_seconds": planning, "pass_seconds": result.pass_seconds,
+                  "plan_sha256": plan_digest(encoded)}
         # One output: a plan without its sidecar (or the reverse) is never left behind.
-        atomic_write_files({output: encode_plan(result.plan),
-                            sidecar: json.dumps(timing, indent=1, sort_keys=True).encode()})
+        atomic_write_files({output: encoded, sidecar: json.dumps(timing, indent=1, sort_keys=True).encode()})
     except HartsError as err:
         print(f"hartsc: {err}", file=sys.stderr)
         return err.exit_code

@@ -96,11 +96,60 @@ def _flat(values, lengths, name, unread: list[np.ndarray] | None = None) -> np.n
     return flat.astype(np.float32)
 
 
+def _sequence(values, name: str, fix: str):
+    """`values` as something with a length and indexing (a generator becomes a list); one clear error otherwise."""
+    if (values is None or isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__")
+            or getattr(values, "ndim", 1) == 0):
+        raise ValueError(f"{name} must be a sequence, one entry per trajectory, got {type(values).__name__}; fix: {fix}")
+    return values if hasattr(values, "__len__") and hasattr(values, "__getitem__") else list(values)
+
+
+def _check_labels(values, name: str, count: int, *, unique: bool) -> tuple | None:
+    """`ids` or `trees` as the reader takes them: one str or int per trajectory (not a bool; an int within
+    [-2**63, 2**64), what a plan stores; a str without lone surrogates); a tree may be None (no tree, as a
+    record without "tree"); ids are unique as strings (they key per-trajectory outputs). numpy integers
+    count as ints. Returns them as a tuple, or None."""
+    if values is None:
+        return None
+    values = _sequence(values, name, "give one str or int per trajectory")
+    if len(values) != count:
+        raise ValueError(f"{name}: {len(values)} entries for {count} trajectories; fix: give one per trajectory")
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, np.integer):
+            v = int(v)
+        if v is None and not unique:   # a trajectory in no named tree, as a record without "tree"
+            out.append(v)
+            continue
+        if not (type(v) is str or type(v) is int) or (type(v) is int and not -2**63 <= v < 2**64):
+            raise ValueError(f"trajectory {i}: {name[:-1]} {v!r:.40} is not a str or an int in [-2**63, 2**64); "
+                             f"fix: give a string or a 64-bit integer")
+        if type(v) is str:
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"trajectory {i}: {name[:-1]} holds a lone surrogate; "
+                                 "fix: give a string that is valid Unicode") from None
+        out.append(v)
+    if unique:
+        first = {}
+        for i, v in enumerate(out):
+            if str(v) in first:
+                raise ValueError(f"trajectory {i}: id {v!r} is, as a string, the id of trajectory {first[str(v)]}; "
+                                 "fix: give distinct ids (they key per-trajectory outputs)")
+            first[str(v)] = i
+    return tuple(out)
+
+
 def _check_tokens(tokens, vocab_size: int | None) -> None:
     if len(tokens) == 0:
         raise ValueError("no trajectories to compile; fix: pass at least one token list")
     for i, t in enumerate(tokens):
-        a = _as_numpy(t)
+        try:
+            a = _as_numpy(t)
+        except (TypeError, ValueError):
+            raise ValueError(f"trajectory {i}: tokens are not a flat list of integer ids; "
+                             "fix: give one list of ints per trajectory") from None
         if a.ndim != 1 or len(a) < 2:
             raise ValueError(f"trajectory {i}: tokens must be a list of at least 2 ids; fix: drop or extend it")
         if a.dtype.kind not in "iu":
@@ -111,7 +160,7 @@ def _check_tokens(tokens, vocab_size: int | None) -> None:
 
 
 def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | None = None,
-                         loss_masks: Sequence[Sequence[int]] | None = None,
+                         trees: Sequence | None = None, loss_masks: Sequence[Sequence[int]] | None = None,
                          advantages: Sequence[float] | Sequence[Sequence[float]] | None = None,
                          old_logprobs: Sequence[Sequence[float]] | None = None,
                          ref_logprobs: Sequence[Sequence[float]] | None = None,
@@ -120,6 +169,8 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
                          pairs_per_token: int = DEFAULT_PAIRS_PER_TOKEN, max_window_slots: int = 0) -> Plan:
     """Compile trajectories held in memory (same alignment as trees.jsonl: index i belongs to tokens[i]).
 
+    `ids` and `trees` are the records' `id` and `tree` (a str or int each; ids
+    unique as strings; trees name rollout trees for `harts viz --tree`).
     `levels` is hartsc's `--levels`: "l1+l2" (default) adds sharing windows,
     "l1" stops after L1 microbatches. `pairs_per_token` is `--pairs-per-token`
     (L2's cost model; 0 balances tokens only), `max_window_slots` is
@@ -134,16 +185,23 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
     options = CompileOptions(dp=dp, capacity=capacity, chunk_size=chunk_size, vocab_size=vocab_size, levels=levels,
                              pairs_per_token=pairs_per_token, max_window_slots=max_window_slots)
     check_options(options)
+    tokens = _sequence(tokens, "tokens", "give one list of token ids per trajectory")
     _check_tokens(tokens, vocab_size)
     lengths = [len(t) for t in tokens]
-    if ids is not None and (len(ids) != len(lengths) or len(set(map(str, ids))) != len(lengths)):
-        raise ValueError("ids must be unique (as strings), one per trajectory; fix: give distinct ids")
+    ids = _check_labels(ids, "ids", len(lengths), unique=True)
+    trees = _check_labels(trees, "trees", len(lengths), unique=False)
     if loss_masks is not None:
-        masks = _per_token(loss_masks, lengths, "loss_masks", np.float64)
-        if any(np.any((m != 0) & (m != 1)) for m in masks):
-            raise ValueError("loss_masks hold a value other than 0 and 1; fix: give 0/1 per token")
+        masks = _per_token(_sequence(loss_masks, "loss_masks", "give one 0/1 list per trajectory"), lengths,
+                           "loss_masks", np.float64)
+        for i, m in enumerate(masks):
+            if np.any((m != 0) & (m != 1)):
+                raise ValueError(f"trajectory {i}: loss_masks hold a value other than 0 and 1; fix: give 0/1 per token")
     if advantages is not None and hasattr(advantages, "detach"):   # one torch tensor of per-trajectory values
         advantages = _as_numpy(advantages)
+    if advantages is not None:
+        advantages = _sequence(advantages, "advantages",
+                               "give one per trajectory, a scalar or a per-token list (for one value for all, "
+                               "[a] * len(tokens))")
     if advantages is not None and len(advantages) != len(lengths):
         raise ValueError(f"advantages: {len(advantages)} entries for {len(lengths)} trajectories; "
                          "fix: give one (scalar or per-token list) per trajectory")
@@ -153,7 +211,7 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
     batch = TrajectoryBatch.from_token_lists(tokens, ids=ids, loss_masks=loss_masks,
                                              advantages=None if per_token_adv else advantages)
     from dataclasses import replace
-    updates = {}
+    updates = {} if trees is None else {"trees": trees}
     if per_token_adv:
         updates["advantages"] = _flat(advantages, lengths, "advantages")
     unread = [never_read(batch.loss_mask[start:end], end - start)

@@ -4,6 +4,8 @@ Run: `python -m pytest tests/test_api.py -q`.
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -26,7 +28,21 @@ TOKENS = [[1, 2, 3], [1, 2, 4]]
     (dict(tokens=TOKENS, advantages=[float("nan"), 1.0]), "advantages"),
     (dict(tokens=[]), "no trajectories"),
     (dict(tokens=TOKENS, advantages=[1.0]), "advantages: 1 entries"),
-    (dict(tokens=TOKENS, ids=["a", "a"]), "unique"),
+    (dict(tokens=TOKENS, ids=["a", "a"]), "as a string, the id of trajectory 0"),
+    (dict(tokens=TOKENS, ids=[1, "1"]), "as a string, the id of trajectory 0"),
+    (dict(tokens=TOKENS, ids=["a"]), "ids: 1 entries for 2"),
+    (dict(tokens=TOKENS, ids=[None, "b"]), "trajectory 0: id None is not a str or an int"),
+    (dict(tokens=TOKENS, ids=[1.5, "b"]), "trajectory 0: id 1.5 is not"),
+    (dict(tokens=TOKENS, ids=["a", True]), "trajectory 1: id True is not"),
+    (dict(tokens=TOKENS, ids=[b"x", "b"]), "trajectory 0: id b'x' is not"),
+    (dict(tokens=TOKENS, ids=[2**70, "b"]), r"in \[-2\*\*63, 2\*\*64\)"),
+    (dict(tokens=TOKENS, ids=["\ud800", "b"]), "lone surrogate"),
+    (dict(tokens=TOKENS, trees=[("t",), "t"]), "trajectory 0: tree"),
+    (dict(tokens=TOKENS, trees="t"), "trees must be a sequence"),
+    (dict(tokens=None), "tokens must be a sequence"),
+    (dict(tokens=[[1, [2, 3]], [1, 2]]), "trajectory 0: tokens are not a flat list"),
+    (dict(tokens=TOKENS, advantages=0.5), "advantages must be a sequence"),
+    (dict(tokens=TOKENS, loss_masks=[[1, 1, 1], [1, 3, 1]]), "trajectory 1: loss_masks hold a value"),
     (dict(tokens=TOKENS, capacity=2), "more than capacity"),
     (dict(tokens=TOKENS, advantages=[True, False]), "advantages holds booleans"),
     (dict(tokens=TOKENS, old_logprobs=[[0.0, -1.0, -1.0], [False, True, True]]), "old_logprobs holds booleans"),
@@ -37,13 +53,36 @@ TOKENS = [[1, 2, 3], [1, 2, 4]]
     # Three unrelated trajectories that fit only one per microbatch cannot fill 2 replicas equally.
     (dict(tokens=[[1] * 12, [2] * 37, [3] * 37], dp=2, capacity=41), "e.g. 1 or 3"),
 ], ids=["negative", "float", "short", "vocab", "mask-length", "mask-value", "nan", "nan-advantage", "empty",
-        "advantages", "ids", "capacity", "bool-advantages", "bool-logprobs", "dp-0", "chunk-0", "levels", "vocab-0",
+        "advantages", "ids", "ids-as-strings", "ids-count", "id-none", "id-float", "id-bool", "id-bytes", "id-huge",
+        "id-surrogate", "tree-tuple", "trees-str", "tokens-none", "tokens-nested", "advantages-scalar",
+        "mask-value-names-trajectory", "capacity", "bool-advantages", "bool-logprobs", "dp-0", "chunk-0", "levels", "vocab-0",
         "dp-cannot-fill"])
 def test_bad_batches_are_value_errors_with_a_fix(kwargs, words):
     tokens = kwargs.pop("tokens")
     with pytest.raises(ValueError, match=words) as info:
         api.compile_trajectories(tokens, **kwargs)
     assert "fix:" in str(info.value)
+
+
+def test_ids_and_trees_give_the_plan_hartsc_writes(tmp_path):
+    """The same records through the API and through the file reader compile to the same bytes, trees included
+    (`harts viz --tree` reads them); numpy integer ids count as ints."""
+    from harts.compiler.cli import main as hartsc_main
+    from harts.schema.plan import encode_plan
+    records = [{"id": 7, "tree": "task0", "tokens": [1, 2, 3, 4]}, {"id": "b", "tree": 3, "tokens": [1, 2, 3, 5]},
+               {"id": 9, "tokens": [6, 7, 8]}]
+    path = tmp_path / "trees.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert hartsc_main([str(path), "-o", str(tmp_path / "cli.plan"), "--capacity", "16", "--chunk-size", "2"]) == 0
+    plan = api.compile_trajectories([r["tokens"] for r in records], ids=[np.int64(7), "b", 9],
+                                    trees=[r.get("tree") for r in records], capacity=16, chunk_size=2)
+    assert plan.step["trees"] == ["task0", 3, None]
+    assert encode_plan(plan) == (tmp_path / "cli.plan").read_bytes()
+
+
+def test_generators_are_taken_as_sequences():
+    plan = api.compile_trajectories((t for t in TOKENS), ids=(i for i in "xy"))
+    assert plan.step["ids"] == ["x", "y"]
 
 
 def test_good_batch_compiles():

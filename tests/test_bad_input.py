@@ -22,7 +22,7 @@ import harts.compiler.read_trees as read_trees_module
 from harts.api import compile_trajectories
 from harts.cli import main as harts_main
 from harts.compiler.cli import main as hartsc_main
-from harts.compiler.cli import timing_path
+from harts.schema.timing import timing_path
 from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.compiler.read_trees import read_trees

@@ -70,6 +70,26 @@ def test_stats_says_why_planning_seconds_is_unknown(tmp_path, trees, capsys, sid
     assert captured.err.endswith("; planning_seconds shown as 0 (unknown)\n") and captured.err.count("\n") == 1
 
 
+def test_stats_ignores_timing_recorded_for_a_plan_since_replaced(tmp_path, trees, capsys):
+    """`harts.api.write_plan` over a hartsc plan writes no timing: the old record names other bytes. A record
+    from an earlier hartsc, without the digest, is still read."""
+    from harts.api import compile_trajectories, write_plan
+    plan = tmp_path / "p.plan"
+    assert hartsc_main([str(trees), "-o", str(plan), "--chunk-size", "4", "--capacity", "32"]) == 0
+    timing = tmp_path / "p.plan.timing.json"
+    record = json.loads(timing.read_text())
+    write_plan(compile_trajectories([[1, 2, 3], [1, 2, 4]]), plan)
+    capsys.readouterr()
+    assert harts_main(["stats", str(plan), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["planning_seconds"] == 0
+    assert "p.plan.timing.json was written for other plan bytes" in captured.err
+    del record["plan_sha256"]
+    timing.write_text(json.dumps(record))
+    assert harts_main(["stats", str(plan), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["planning_seconds"] == record["planning_seconds"] > 0
+
+
 def test_same_input_and_flags_give_a_byte_identical_plan(tmp_path, trees):
     a, b = tmp_path / "a.plan", tmp_path / "b.plan"
     for out in (a, b):

@@ -9,15 +9,20 @@ from pathlib import Path
 from harts.schema.errors import HartsError
 from harts.schema.plan import read_plan
 from harts.schema.summary import plan_statistics
+from harts.schema.timing import plan_digest, timing_path
 
 
 def read_planning_seconds(plan_path: str) -> tuple[float | None, str]:
     """hartsc records timing beside the plan (`PLAN.timing.json`) to keep the plan deterministic.
 
-    Returns (seconds, "") or (None, why there is no usable number: missing, unreadable or malformed).
+    Returns (seconds, "") or (None, why there is no usable number: missing,
+    unreadable, malformed, or recorded for other plan bytes: a record whose
+    `plan_sha256` differs belongs to a plan since overwritten, e.g. by
+    `harts.api.write_plan`, which writes no timing. Records without the
+    digest, from earlier hartsc versions, are taken as they are.)
     """
     path = Path(plan_path)
-    sidecar = path.with_name(path.name + ".timing.json")
+    sidecar = timing_path(path)
     try:
         text = sidecar.read_text()
     except FileNotFoundError:
@@ -25,11 +30,20 @@ def read_planning_seconds(plan_path: str) -> tuple[float | None, str]:
     except OSError as err:
         return None, f"cannot read {sidecar.name} ({err.strerror or err})"
     try:
-        seconds = json.loads(text)["planning_seconds"]
+        record = json.loads(text)
+        seconds = record["planning_seconds"]
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
             raise ValueError
     except (ValueError, KeyError, TypeError):
         return None, f"{sidecar.name} holds no planning_seconds >= 0 (not hartsc's timing record)"
+    digest = record.get("plan_sha256")
+    if digest is not None:
+        try:
+            current = plan_digest(path.read_bytes())
+        except OSError as err:
+            return None, f"cannot read {path.name} ({err.strerror or err})"
+        if digest != current:
+            return None, f"{sidecar.name} was written for other plan bytes (the plan was replaced since)"
     return float(seconds), ""
 
 
