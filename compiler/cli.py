@@ -56,6 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _compile(argv)
+    except KeyboardInterrupt:
+        from harts.cli import INTERRUPTED
+        print(f"hartsc: {INTERRUPTED}", file=sys.stderr)
+        return 130
+
+
+def _compile(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         options = CompileOptions(dp=args.dp, capacity=args.capacity, chunk_size=args.chunk_size,

@@ -16,6 +16,11 @@ SUBCOMMANDS = {
 }
 
 
+# Ctrl-C is a request, not a crash: one line instead of a traceback. Every output is renamed into place only
+# when complete (`harts.schema.atomic`), so an interrupt never leaves a half-written file.
+INTERRUPTED = "interrupted; no output is left half-written"
+
+
 def usage() -> str:
     lines = ["usage: harts SUBCOMMAND [ARGS...]", "", "subcommands:"]
     width = max(len(name) for name in SUBCOMMANDS)
@@ -33,9 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"harts: unknown subcommand '{name}'; fix: use one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
     try:
+        module = importlib.import_module(SUBCOMMANDS[name][0])
         return module.main(rest)
+    except KeyboardInterrupt:
+        print(f"harts {name}: {INTERRUPTED}", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # `harts stats PLAN | head`: the reader left; that is not an error.
         import os

@@ -118,6 +118,24 @@ def test_a_symlinked_output_is_written_through(tmp_path, capsys):
     assert len(read_plan(link).microbatches) == 6
 
 
+@pytest.mark.parametrize("front", ["hartsc", "harts gen"])
+def test_ctrl_c_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, front):
+    """An interrupt while writing: exit 130, one line instead of a traceback, no file or temporary left."""
+    import harts.schema.atomic as atomic
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    trees = write_trees(tmp_path / "trees.jsonl")
+    monkeypatch.setattr(atomic.os, "replace", interrupted)
+    if front == "hartsc":
+        assert hartsc_main([str(trees), "-o", str(tmp_path / "p.plan"), *COMPILE_FLAGS]) == 130
+    else:
+        assert harts_main(["gen", "-o", str(tmp_path / "gen.jsonl")]) == 130
+    err = capsys.readouterr().err
+    assert err == f"{front}: interrupted; no output is left half-written\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trees.jsonl"]
+
+
 def test_plan_and_sidecar_are_written_all_or_none(tmp_path, capsys, monkeypatch):
     """A sidecar that cannot be written at write time leaves no plan behind (and no traceback)."""
     import harts.compiler.cli as cli
