@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from harts.schema.errors import HartsError
+from harts.schema.errors import HartsError, VerificationError
 from harts.schema.plan import read_plan
 from harts.schema.plan_invariants import check_plan, check_step_matches
 
@@ -27,7 +27,10 @@ def main(argv: list[str] | None = None) -> int:
         check_plan(plan, *((batch.tokens, batch.token_offsets) if batch else ()))
         if batch:
             check_step_matches(plan.step, batch.ids, {name: getattr(batch, name) for name in STEP_FIELDS})
-    except HartsError as err:
+    except VerificationError as err:   # the plan read, but breaks an invariant: say which plan
+        print(f"harts check: {args.plan}: {err}", file=sys.stderr)
+        return err.exit_code
+    except HartsError as err:          # these name their file already
         print(f"harts check: {err}", file=sys.stderr)
         return err.exit_code
     producers = f"{len(plan.producers)} producers, " if plan.producers is not None else ""
