@@ -10,6 +10,7 @@ from harts.compiler.passes.partition_ffd import SHARD_UNITS
 from harts.compiler.ir.trajectories import positive_logprob_warnings
 from harts.compiler.pipeline import LEVELS, PLANNERS, CompileOptions, check_options, compile_batch
 from harts.progress import terminal_progress
+from harts.text import plural
 from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
 from harts.schema.errors import HartsError
 from harts.schema.atomic import atomic_write_files, check_output_path
@@ -101,11 +102,12 @@ def _compile(argv: list[str] | None) -> int:
             print(f"hartsc: {line}", file=sys.stderr)
     if args.json:
         print(json.dumps(stats, sort_keys=True))
-    print(f"hartsc: wrote {args.output}: {stats['trajectories']} trajectories, {stats['original_tokens']} tokens -> "
-          f"{stats['compact_tokens']} compact ({stats['compression']:.2f}x), {stats['microbatches']} microbatches, "
-          + (f"{stats['decoder_tokens']} decoder rows with {stats['windows']} sharing windows "
+    print(f"hartsc: wrote {args.output}: {plural(stats['trajectories'], 'trajectory')}, {stats['original_tokens']} "
+          f"tokens -> {stats['compact_tokens']} compact ({stats['compression']:.2f}x), "
+          f"{plural(stats['microbatches'], 'microbatch')}, "
+          + (f"{stats['decoder_tokens']} decoder rows with {plural(stats['windows'], 'sharing window')} "
              f"({stats['compression_l2']:.2f}x), " if stats["decoder_tokens"] < stats["compact_tokens"] else "") +
-          f"max {stats['max_rounds']} rounds, read {read_seconds:.2f}s, planned {planning:.2f}s", file=sys.stderr)
+          f"max {plural(stats['max_rounds'], 'round')}, read {read_seconds:.2f}s, planned {planning:.2f}s", file=sys.stderr)
     return 0
 
 

@@ -114,3 +114,26 @@ def test_exit_code_says_whether_the_plans_differ(plans, capsys):
     assert harts_main(["diff", str(plans["dp2"]), str(plans["dp4"]), "--exit-code"]) == 1
     assert harts_main(["diff", str(plans["dp2"]), str(plans["dp4"]), "--exit-code", "--json"]) == 1
     capsys.readouterr()
+
+
+def test_ids_that_could_mislead_the_terminal_are_quoted(tmp_path, capsys):
+    """A control character in an id would break or colour the line, a comma would blur the list: such ids are
+    shown as repr; plain ids as written."""
+    records = {"a": ["plain", "evil\nline", "\x1b[31mred", "x, y"], "b": ["plain", "other"]}
+    paths = {}
+    for name, ids in records.items():
+        trees = tmp_path / f"{name}.jsonl"
+        trees.write_text("".join(json.dumps({"id": i, "tokens": [1, 2, 3 + k]}) + "\n" for k, i in enumerate(ids)))
+        paths[name] = tmp_path / f"{name}.plan"
+        assert hartsc_main([str(trees), "-o", str(paths[name])]) == 0
+    capsys.readouterr()
+    assert harts_main(["diff", str(paths["a"]), str(paths["b"])]) == 0
+    out = capsys.readouterr().out
+    assert "only in A: 'evil\\nline', '\\x1b[31mred', 'x, y'" in out and "only in B: other" in out
+    assert "\x1b" not in out
+
+
+def test_negative_limit_is_refused(plans, capsys):
+    with pytest.raises(SystemExit) as info:
+        harts_main(["diff", str(plans["dp2"]), str(plans["dp4"]), "--limit", "-1"])
+    assert info.value.code == 2 and "--limit must be >= 0" in capsys.readouterr().err

@@ -7,6 +7,7 @@ import sys
 from harts.schema.errors import HartsError, VerificationError
 from harts.schema.plan import read_plan
 from harts.schema.plan_invariants import check_plan, check_step_matches
+from harts.text import plural
 
 # The per-token and per-trajectory RL fields a plan's step copies from the input file.
 STEP_FIELDS = ("loss_mask", "advantages", "old_logprobs", "ref_logprobs", "has_old_logprobs", "has_ref_logprobs")
@@ -33,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     except HartsError as err:          # these name their file already
         print(f"harts check: {err}", file=sys.stderr)
         return err.exit_code
-    producers = f"{len(plan.producers)} producers, " if plan.producers is not None else ""
-    print(f"harts check: {args.plan}: ok ({len(plan.microbatches)} microbatches, {producers}"
-          f"{plan.step['num_trajectories']} trajectories)")
+    producers = f"{plural(len(plan.producers), 'producer')}, " if plan.producers is not None else ""
+    print(f"harts check: {args.plan}: ok ({plural(len(plan.microbatches), 'microbatch')}, {producers}"
+          f"{plural(plan.step['num_trajectories'], 'trajectory')})")
     return 0
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from harts.schema.errors import HartsError, PlanFormatError
 from harts.schema.plan import Plan, read_plan
 from harts.schema.summary import plan_statistics
+from harts.text import plural
 from harts.tools.viz import microbatch_window, plan_producers, producer_rows, window_spans
 
 # planning_seconds is a timing beside the plan, not part of it: it always differs.
@@ -149,8 +150,12 @@ def table(rows: list[list[str]], header: list[str], align: str, indent: str = " 
     return [row(header)] + [row(r) for r in rows]
 
 
-def plural(n: int, word: str) -> str:
-    return f"{n:,} {word}" + ("" if n == 1 else "es" if word.endswith("ch") else "s")
+def trajectory_label(x) -> str:
+    """An id as the terminal shows it: as written, unless that could mislead (a control character, which could
+    break or colour the line; a comma or outer whitespace, which would blur the list): then quoted as repr."""
+    if not isinstance(x, str):
+        return str(x)
+    return x if x.isprintable() and "," not in x and x == x.strip() and x else repr(x)
 
 
 def place(p: dict) -> str:
@@ -179,7 +184,8 @@ def format_diff(d: dict, name_a: str, name_b: str, limit: int) -> str:
                       f"{len(t['only_in_b']):,} only in B)"]
         for label, ids in (("only in A", t["only_in_a"]), ("only in B", t["only_in_b"])):
             if ids:
-                lines.append(f"  {label}: " + ", ".join(map(str, ids[:limit])) + (" ..." if len(ids) > limit else ""))
+                lines.append(f"  {label}: " + ", ".join(map(trajectory_label, ids[:limit]))
+                             + (" ..." if len(ids) > limit else ""))
     if "statistics" in changed:
         # dp, capacity and chunk_size already show under flags.
         rows = [[k, shown(v["a"]), shown(v["b"]), signed(v["delta"])]
@@ -193,7 +199,7 @@ def format_diff(d: dict, name_a: str, name_b: str, limit: int) -> str:
                       "(microbatches matched by shared members)"]
         flows: dict[tuple, list] = {}
         for x in m["moved"]:
-            flows.setdefault((place(x["from"]), place(x["to"])), []).append(str(x["id"]))
+            flows.setdefault((place(x["from"]), place(x["to"])), []).append(trajectory_label(x["id"]))
         rows = []
         for (before, after), ids in list(flows.items())[:limit]:
             listed = ", ".join(ids[:3]) + (f", ... (+{len(ids) - 3})" if len(ids) > 3 else "")
@@ -201,10 +207,11 @@ def format_diff(d: dict, name_a: str, name_b: str, limit: int) -> str:
         if rows:
             lines += table(rows, ["from (A)", "to (B)", "n", "trajectory ids"], "llrl")
             more(len(flows))
-        if m["unmatched_a"]:
-            lines.append(f"  microbatches of A with no counterpart: {', '.join(map(str, m['unmatched_a']))}")
-        if m["unmatched_b"]:
-            lines.append(f"  microbatches of B with no counterpart: {', '.join(map(str, m['unmatched_b']))}")
+        for side, other in (("a", "B"), ("b", "A")):
+            unmatched = m[f"unmatched_{side}"]
+            if unmatched:
+                lines.append(f"  {plural(len(unmatched), 'microbatch')} of {side.upper()} with no counterpart in "
+                             f"{other}: " + ", ".join(f"mb {i}" for i in unmatched))
     if "placement" in changed:
         lines += ["", f"placement: {plural(len(d['placement']), 'matched microbatch')} changed replica or slot"]
         lines += table([[place(p["from"]), place(p["to"])] for p in d["placement"][:limit]], ["A", "B"], "ll")
@@ -234,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="exit 1 when the plans' bytes differ and 0 when they are identical, as diff(1) does "
                              "(default: 0 whenever both plans were read)")
     args = parser.parse_args(argv)
+    if args.limit < 0:
+        parser.error(f"--limit must be >= 0, got {args.limit}")
     try:
         data = []
         for path in (args.plan_a, args.plan_b):
@@ -249,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"a": args.plan_a, "b": args.plan_b, **result}, default=str))
     else:
-        print(format_diff(result, args.plan_a, args.plan_b, max(args.limit, 0)))
+        print(format_diff(result, args.plan_a, args.plan_b, args.limit))
     return 1 if args.exit_code and not result["identical"] else 0
 
 
