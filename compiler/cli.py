@@ -56,6 +56,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Flags that only one planner or level reads: (flag, argparse dest, what it needs, whether that is given).
+# (--pairs-per-token is not one: `harts stats` prices cost_balance with it at either level.)
+_IDLE_FLAGS = (
+    ("--ffd-time-budget", "ffd_time_budget", "--planner ffd", lambda a: a.planner == "ffd"),
+    ("--ffd-first-feasible", "ffd_first_feasible", "--planner ffd", lambda a: a.planner == "ffd"),
+    ("--ffd-shard", "ffd_shard", "--planner ffd", lambda a: a.planner == "ffd"),
+    ("--max-window-slots", "max_window_slots", "--levels l1+l2", lambda a: a.levels == "l1+l2"),
+)
+
+
+def idle_flag_warnings(args, parser) -> list[str]:
+    """A warning for each flag set away from its default that the chosen planner or level never reads.
+
+    Not an error: the run is still what was asked for, and the value is recorded in the plan's flags
+    (so `harts diff` shows it), but a user who set it most likely expected it to matter.
+    """
+    return [f"{flag} has no effect without {needs} (recorded in the plan's flags all the same)"
+            for flag, dest, needs, given in _IDLE_FLAGS
+            if getattr(args, dest) != parser.get_default(dest) and not given(args)]
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _compile(argv)
@@ -76,6 +97,8 @@ def _compile(argv: list[str] | None) -> int:
                                  max_window_slots=args.max_window_slots)
         # Flags and output paths are checked before the (possibly minutes-long) read and compile.
         check_options(options)
+        for line in idle_flag_warnings(args, build_parser()):
+            print(f"hartsc: warning: {line}", file=sys.stderr)
         output = check_output_path(args.output, inputs=[args.trees])
         # Beside the name given: `harts stats` looks for it there even when the plan is a link.
         sidecar = check_output_path(timing_path(args.output), inputs=[args.trees])

@@ -401,7 +401,7 @@ def _parse_tokens(value, where: _Where, may_hold_bool: bool) -> np.ndarray:
                           'write "tokens" as a JSON list of non-negative integers')
     if len(value) < 2:
         raise where.error("tokens", f"needs at least 2 tokens, found {len(value)}",
-                          "drop this trajectory: with one token there is nothing to predict")
+                          "drop this trajectory: with fewer than 2 tokens there is no next token to predict")
     if where.capacity is not None and len(value) > where.capacity:
         raise where.error("tokens", f"trajectory has {len(value)} tokens, more than the microbatch "
                           f"capacity {where.capacity}",

@@ -202,3 +202,18 @@ def test_positive_logprobs_warn_in_python_too():
     with pytest.warns(UserWarning, match="ref_logprobs: 1 trained positions hold a log-probability above 0"):
         harts.compile_trajectories([[1, 2, 3], [1, 2, 4]], ref_logprobs=[[0.0, -1.0, 2.0], [0.0, -1.0, -1.0]],
                                    capacity=64)
+
+
+@pytest.mark.parametrize("flags, warned", [
+    (["--ffd-time-budget", "5"], ["--ffd-time-budget has no effect without --planner ffd"]),
+    (["--ffd-first-feasible", "--ffd-shard", "trajectory"],
+     ["--ffd-first-feasible has no effect without --planner ffd", "--ffd-shard has no effect without --planner ffd"]),
+    (["--levels", "l1", "--max-window-slots", "2"], ["--max-window-slots has no effect without --levels l1+l2"]),
+    (["--levels", "l1", "--pairs-per-token", "0"], []),      # harts stats' cost_balance reads it at either level
+    (["--planner", "ffd", "--levels", "l1", "--ffd-time-budget", "1"], []),
+])
+def test_flags_the_chosen_planner_never_reads_are_warned_about(tmp_path, trees, capsys, flags, warned):
+    assert hartsc_main([str(trees), "-o", str(tmp_path / "p.plan"), *flags]) == 0
+    warnings = [line.removeprefix("hartsc: warning: ") for line in capsys.readouterr().err.splitlines()
+                if line.startswith("hartsc: warning: ")]
+    assert [w.split(" (")[0] for w in warnings] == warned
