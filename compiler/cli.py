@@ -12,7 +12,7 @@ from harts.compiler.pipeline import LEVELS, PLANNERS, CompileOptions, check_opti
 from harts.progress import terminal_progress
 from harts.text import plural
 from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
-from harts.schema.errors import HartsError
+from harts.schema.errors import HartsError, OutputError
 from harts.schema.atomic import atomic_write_files, check_output_path
 from harts.schema.plan import encode_plan
 from harts.schema.summary import plan_statistics
@@ -101,7 +101,11 @@ def _compile(argv: list[str] | None) -> int:
             print(f"hartsc: warning: {line}", file=sys.stderr)
         output = check_output_path(args.output, inputs=[args.trees])
         # Beside the name given: `harts stats` looks for it there even when the plan is a link.
-        sidecar = check_output_path(timing_path(args.output), inputs=[args.trees])
+        try:
+            sidecar = check_output_path(timing_path(args.output), inputs=[args.trees])
+        except OutputError as err:   # its name follows the plan's: the fix is to clear that path, not rename
+            raise OutputError(err.path, err.problem, f"move it away: hartsc writes the plan's timing record "
+                                                     f"there, beside {args.output}") from None
         from harts.compiler.read_trees import read_trees
         t0 = time.perf_counter()
         batch = read_trees(args.trees, vocab_size=args.vocab_size, capacity=args.capacity)
