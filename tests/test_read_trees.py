@@ -164,6 +164,17 @@ BAD = [
         "first used on line 1"),
     Bad("duplicate_id_as_string", ['{"id": 7, "tokens": [1, 2]}', '{"id": "7", "tokens": [3, 4]}'], 2, "id",
         "line 1"),
+    # JSON parsers keep one of two equal keys silently (orjson the last): a buggy writer's second token list
+    # would be trained on without a word.
+    Bad("tokens_twice", ['{"id": 1, "tokens": [1, 2, 3], "tokens": [4, 5, 6]}'], 1, "tokens",
+        "appears 2 times in the line's object"),
+    Bad("id_twice", [GOOD, '{"id": 1, "tokens": [1, 2, 3], "id": 2}'], 2, "id", "appears 2 times"),
+    Bad("advantages_twice_spaced", [tok(', "advantages": 1.0, "advantages" : -1.0')], 1, "advantages",
+        "appears 2 times"),
+    Bad("tokens_twice_one_escaped", ['{"id": 1, "\\u0074okens": [1, 2], "tokens": [1, 2, 4]}'], 1, "tokens",
+        "appears 2 times"),
+    Bad("old_logprobs_twice_beside_a_nan", [tok(', "old_logprobs": [0, NaN, 1], "old_logprobs": [0, -1, -1]')], 1,
+        "old_logprobs", "appears 2 times"),
     Bad("line_number_counts_blank_lines", [GOOD, "", "   ", '{"id": 1, "tokens": [1, -2]}'], 4, "tokens",
         "negative"),
 ]
@@ -506,3 +517,11 @@ def test_every_written_value_is_read_back_exactly(tmp_path_factory, recs):
 def test_nonsensical_limits_are_a_caller_bug(tmp_path, kwargs):
     with pytest.raises(ValueError):
         read_trees(write(tmp_path, [GOOD]), **kwargs)
+
+
+def test_field_names_elsewhere_in_a_line_are_not_repeats(tmp_path):
+    """A nested object of an ignored field may use the same names, and a value may spell one."""
+    line = '{"id": 1, "tokens": [1, 2, 3], "meta": {"tokens": 5, "id": "x", "meta": {"tokens": 1}}, "tree": "tokens"}'
+    batch = read_trees(write(tmp_path, [line]))
+    assert batch.ids == (1,) and batch.trees == ("tokens",)
+    np.testing.assert_array_equal(batch.tokens, [1, 2, 3])
