@@ -351,7 +351,10 @@ def _reject_repeated_fields(line: bytes, where: _Where) -> None:
     def keep_pairs(pairs):   # objects close innermost first: the last call is the top level
         top_level[:] = pairs
         return dict(pairs)
-    json.loads(line.decode("utf-8"), object_pairs_hook=keep_pairs, parse_constant=float)
+    try:
+        json.loads(line.decode("utf-8"), object_pairs_hook=keep_pairs, parse_constant=float)
+    except RecursionError:   # nesting orjson took but Python's parser cannot: nothing more to tell
+        return
     names = [name for name, _ in top_level]
     for name in _READ_FIELDS:
         count = names.count(name.decode())
