@@ -46,15 +46,46 @@ def load_model(model_dir: str, dtype: str = "float32"):
                          "(harts init-model writes one)")
     from transformers import AutoModelForCausalLM
 
+    from transformers.utils import logging as hf_logging
+
     quiet_library_progress()
+    verbosity = hf_logging.get_verbosity()
+    # transformers reports missing or misshapen weights as a many-line table (and then, for shapes, an error
+    # pointing at that table); HARTS says it in one line from the loading info instead.
+    hf_logging.set_verbosity_error()
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=getattr(torch, dtype))
+        model, info = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=getattr(torch, dtype),
+                                                           ignore_mismatched_sizes=True, output_loading_info=True)
     except _load_errors() as err:
         first = (str(err).strip().splitlines() or [""])[0]
         raise HartsError(f"{model_dir}: cannot load the model ({type(err).__name__}: {first}); "
                          "fix: pass a complete Hugging Face model directory (a truncated or damaged weights "
                          "file must be copied again or re-created)") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    check_loaded_weights(model_dir, info)
     return model.train(False)
+
+
+def check_loaded_weights(model_dir: str, info: dict) -> None:
+    """Refuse a model whose weights files lack tensors its config needs, or hold them in other shapes.
+
+    transformers fills such parameters with fresh random values and carries on, so a run would train a
+    model that was never on disk, with a different result each time. Tensors the model does not use are
+    ignored, as transformers ignores them.
+    """
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise HartsError(f"{model_dir}: the weights lack {len(missing)} tensor(s) the config needs "
+                         f"(first: {missing[0]}); fix: copy the complete weights files again, or pass the "
+                         "directory the model was saved to")
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        name, *shapes = mismatched[0]
+        shown = " vs ".join(str(tuple(shape)) for shape in shapes)
+        raise HartsError(f"{model_dir}: {len(mismatched)} tensor(s) in the weights have other shapes than the "
+                         f"config says (first: {name}, {shown}); fix: pass the config.json these weights were "
+                         "saved with")
 
 
 def model_device(choice: str) -> torch.device:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +74,31 @@ def test_truncated_weights_are_one_line_naming_the_model(workspace, tmp_path, ca
     assert harts(run_argv(workspace, model=broken)) == 2
     err = one_line(capsys)
     assert str(broken) in err and "cannot load the model" in err
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("drop-one", "the weights lack 1 tensor(s) the config needs"),
+    ("drop-all-but-embeddings", "tensor(s) the config needs"),
+    ("reshape-lm-head", "tensor(s) in the weights have other shapes than the config says (first: lm_head.weight"),
+])
+def test_weights_missing_tensors_or_in_other_shapes_are_refused(workspace, tmp_path, capsys, damage, words):
+    """transformers fills a missing or misshapen parameter with fresh random values and carries on (a found
+    bug: gradients of a partly random model, exit 0, different each run); HARTS refuses in one line."""
+    from safetensors.torch import load_file, save_file
+    model = tmp_path / "model"
+    shutil.copytree(workspace / "model", model)
+    tensors = load_file(model / "model.safetensors")
+    if damage == "drop-one":
+        del tensors[sorted(k for k in tensors if ".layers.0." in k)[0]]
+    elif damage == "drop-all-but-embeddings":
+        tensors = {k: v for k, v in tensors.items() if "embed" in k or "lm_head" in k}
+    else:
+        tensors["lm_head.weight"] = tensors["lm_head.weight"][:3].contiguous()
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert harts(run_argv(workspace, model=model)) == 2
+    err = one_line(capsys)
+    assert err.startswith(f"harts run: {model}: ") and words in err
 
 
 # --------------------------------------------------------------------------- harts run: outputs
