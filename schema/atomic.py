@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import stat
 from pathlib import Path
 
@@ -126,11 +127,14 @@ def atomic_write_files(files: dict) -> None:
     """Write several files as one output: either all of them appear or none does.
 
     Each is written to a temporary file first (`atomic_output`'s guarantees);
-    only when every one is complete are they renamed into place. Should a
-    rename fail, the targets already renamed are removed again (they are new
-    outputs of this call), so no partial set is left behind.
+    only when every one is complete are they renamed into place. A target
+    that already exists is first kept under a hard link beside it (a copy
+    where the file system has none). Should a rename fail, every target
+    already renamed is put back as it was (the kept file restored, a new one
+    removed), so no partial set is left behind and no earlier output is lost.
     """
     staged: list[tuple[Path, Path]] = []
+    kept: dict[Path, Path | None] = {}      # target -> its earlier file's keeping place (None: it had none)
     try:
         for path, data in files.items():
             fd, tmp, path = _temporary_beside(Path(path))
@@ -142,18 +146,44 @@ def atomic_write_files(files: dict) -> None:
                     os.fsync(out.fileno())
             except OSError as err:
                 raise OutputError(path, _reason(err), "free disk space or choose another folder") from err
-        done: list[Path] = []
         for path, tmp in staged:
+            kept[path] = _keep_earlier(path)
             try:
                 os.replace(tmp, path)
             except OSError as err:
-                for written in done:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(written)
                 raise OutputError(path, _reason(err), "check that the target is not a folder and is writable") from err
-            done.append(path)
     except BaseException:
+        for path, earlier in kept.items():   # put every target back as it was
+            with contextlib.suppress(OSError):
+                if earlier is None:
+                    os.unlink(path)
+                    continue
+                os.replace(earlier, path)
+                # Renaming a hard link onto its own file (the target never replaced) does nothing.
+                os.unlink(earlier)
         for _, tmp in staged:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
         raise
+    for earlier in kept.values():
+        if earlier is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(earlier)
+
+
+def _keep_earlier(path: Path) -> Path | None:
+    """A second name for the file at `path`, if any, so that it can be restored: a hard link, or a copy."""
+    if not path.is_file():
+        return None
+    keep = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.keep"
+    try:
+        try:
+            os.link(path, keep)
+        except OSError:
+            shutil.copy2(path, keep)
+    except OSError as err:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(keep)
+        raise OutputError(path, f"cannot keep the earlier file while replacing it ({_reason(err)})",
+                          "check that the folder is writable") from err
+    return keep

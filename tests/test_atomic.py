@@ -1,0 +1,58 @@
+"""`harts.schema.atomic`: several outputs appear together or not at all, and a failure never costs an earlier file.
+
+Run: `python -m pytest tests/test_atomic.py -q`.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import harts.schema.atomic as atomic
+from harts.schema.errors import OutputError
+
+
+def failing_replace_of(target_name: str, monkeypatch):
+    """os.replace that fails (as on an immutable file) when renaming onto `target_name`."""
+    real = os.replace
+
+    def replace(src, dst):
+        if os.path.basename(dst) == target_name and str(src).endswith(".tmp"):
+            raise PermissionError(1, "Operation not permitted")
+        return real(src, dst)
+    monkeypatch.setattr(atomic.os, "replace", replace)
+
+
+@pytest.mark.parametrize("earlier", [["lp.npz", "g.safetensors"], ["lp.npz"], []],
+                         ids=["both-existed", "first-existed", "both-new"])
+def test_a_failed_rename_puts_every_target_back(tmp_path, monkeypatch, earlier):
+    """Found by a user audit: the first output was renamed over the previous run's file, the second failed,
+    and the rollback deleted the first target, losing the earlier file."""
+    for name in earlier:
+        (tmp_path / name).write_text(f"old {name}")
+    failing_replace_of("g.safetensors", monkeypatch)
+    with pytest.raises(OutputError, match="Operation not permitted"):
+        atomic.atomic_write_files({tmp_path / "lp.npz": b"new lp", tmp_path / "g.safetensors": b"new g"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(earlier)
+    for name in earlier:
+        assert (tmp_path / name).read_text() == f"old {name}"
+
+
+def test_success_replaces_and_leaves_nothing_else(tmp_path):
+    (tmp_path / "a").write_text("old")
+    link = tmp_path / "a-too"
+    os.link(tmp_path / "a", link)     # another name for the earlier file keeps its content
+    atomic.atomic_write_files({tmp_path / "a": b"new a", tmp_path / "b": b"new b"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "a-too", "b"]
+    assert (tmp_path / "a").read_bytes() == b"new a" and (tmp_path / "b").read_bytes() == b"new b"
+    assert link.read_text() == "old"
+
+
+def test_without_hard_links_the_earlier_file_is_copied(tmp_path, monkeypatch):
+    (tmp_path / "lp.npz").write_text("old")
+    monkeypatch.setattr(atomic.os, "link", lambda *_: (_ for _ in ()).throw(OSError(95, "Operation not supported")))
+    failing_replace_of("g.safetensors", monkeypatch)
+    with pytest.raises(OutputError):
+        atomic.atomic_write_files({tmp_path / "lp.npz": b"new", tmp_path / "g.safetensors": b"new"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lp.npz"]
+    assert (tmp_path / "lp.npz").read_text() == "old"
