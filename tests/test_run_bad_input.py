@@ -351,3 +351,24 @@ def test_demo_out_that_cannot_be_a_folder_is_one_line(tmp_path, capsys, out):
     assert harts(["demo", "--out", str(tmp_path / out), "--no-model"]) == 2
     assert "cannot write" in one_line(capsys)
     assert os.listdir(tmp_path) == ["afile"] and (tmp_path / "afile").read_text() == "keep"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_demo_compiles_whatever_the_seed(tmp_path, capsys, seed):
+    """Found by a user audit: the workload's rollouts ran to 4,096 tokens against a 2,048-token capacity, so
+    about half the seeds failed at the compile step."""
+    assert harts(["demo", "--out", str(tmp_path), "--seed", str(seed), "--no-model"]) == 0
+
+
+def test_demo_replaces_only_a_model_it_wrote(workspace, tmp_path, capsys, monkeypatch):
+    """A model with exactly the files a demo writes (here the workspace's init-model output) is someone's:
+    refused. A model/ beside the demo's mark is replaced."""
+    from harts.tools import demo
+    shutil.copytree(workspace / "model", tmp_path / "model")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir()}
+    assert harts(["demo", "--out", str(tmp_path)]) == 2
+    assert "holds a model an earlier demo did not write" in one_line(capsys)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir()} == before
+    (tmp_path / demo.DEMO_MARK).write_text("")
+    monkeypatch.setattr(demo, "run_model", lambda *args: 0)     # what is checked is the refusal, not the run
+    assert harts(["demo", "--out", str(tmp_path)]) == 0

@@ -31,9 +31,14 @@ from harts.tools import check, gen
 # shaped like an agent rollout: a shared system prompt, a task, tool turns.
 DEMO_WORKLOAD = dict(tasks=1, group_size=4, system_prompt_tokens=512, task_tokens_min=96, task_tokens_max=192,
                      turns_min=4, turns_max=6, action_tokens_median=40.0, tool_tokens_median=120.0,
-                     tool_tokens_max=512, context_limit=4096)
+                     tool_tokens_max=512)
 DEMO_VOCAB = 4096
 DEMO_CAPACITY = 2048
+# Rollouts stop at the microbatch capacity, so every trajectory fits one microbatch whatever --seed draws
+# (at 4,096 about half the seeds drew a longer one and the compile step failed).
+DEMO_WORKLOAD["context_limit"] = DEMO_CAPACITY
+# Beside model/ once the demo has written it: only a model/ with this mark is the demo's to replace.
+DEMO_MARK = ".harts-demo-model"
 
 
 def prepare_out(out: str | None) -> Path:
@@ -58,7 +63,10 @@ def prepare_out(out: str | None) -> Path:
 def check_outputs(out: Path, with_model: bool) -> tuple[Path, Path, Path]:
     """The demo's three outputs, each checked before any work: trees.jsonl, step.plan, model/.
 
-    model/ may hold the model of an earlier demo run in the same folder: it is replaced.
+    model/ may hold the model of an earlier demo run in the same folder (the
+    folder then holds `DEMO_MARK`): it is replaced. Any other model there
+    (one `harts init-model` wrote, or a checkpoint saved with
+    `save_pretrained`) is refused, even with only the files a demo writes.
     """
     from harts.executor.models.init_model import check_model_dir
     from harts.schema.atomic import check_output_path
@@ -67,6 +75,9 @@ def check_outputs(out: Path, with_model: bool) -> tuple[Path, Path, Path]:
     check_output_path(trees)
     check_output_path(plan_path)
     if with_model:
+        if model_dir.is_dir() and any(model_dir.iterdir()) and not (out / DEMO_MARK).is_file():
+            raise OutputError(model_dir, "it holds a model an earlier demo did not write",
+                              "give --out a new folder, or move that model away")
         check_model_dir(model_dir, replace=True)
     return trees, plan_path, model_dir
 
@@ -114,6 +125,7 @@ def run_model(out: Path, plan_path: Path, model_dir: Path, seed: int, started: f
     from harts.schema.summary import plan_statistics
 
     model = init_model("kimi_linear", "tiny", model_dir, vocab_size=DEMO_VOCAB, seed=seed, replace=True)
+    (out / DEMO_MARK).write_text("model/ was written by harts demo, which may replace it\n")
     plan = read_plan(plan_path)
     stats = plan_statistics(plan)
     expanded = run_step(plan, model, mode="expanded")
