@@ -372,3 +372,19 @@ def test_demo_replaces_only_a_model_it_wrote(workspace, tmp_path, capsys, monkey
     (tmp_path / demo.DEMO_MARK).write_text("")
     monkeypatch.setattr(demo, "run_model", lambda *args: 0)     # what is checked is the refusal, not the run
     assert harts(["demo", "--out", str(tmp_path)]) == 0
+
+
+@pytest.mark.parametrize("arch", ["kimi_linear", "qwen3_next"])
+def test_a_short_conv_activation_our_op_lacks_is_one_line(arch):
+    """Found by a user audit: a model saved with hidden_act 'gelu' loads and runs in transformers, and failed
+    deep inside the first step with a traceback."""
+    from transformers import AutoModelForCausalLM
+    from harts.executor.models.init_model import build_model
+    from harts.executor.models.registry import runner_for
+    from harts.schema.errors import HartsError
+    config = build_model(arch, "tiny", 64, 0).config
+    config.hidden_act = "gelu"
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(HartsError, match="short convolution uses activation 'gelu'.*fix: save the model with "
+                                         "hidden_act 'silu'"):
+        runner_for(model)

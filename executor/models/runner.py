@@ -25,7 +25,23 @@ from harts.executor.layout import ExecLayout
 from harts.executor.models.moe import MoEStatistics
 from harts.executor.ops.linear_attention import linear_attention_round
 from harts.executor.ops.short_conv import conv_context
+from harts.executor.ops.short_conv.gather import ACTIVATIONS
+from harts.schema.errors import HartsError
 from harts.executor.windows import PASSTHROUGH, RowSource
+
+
+def check_short_conv_activation(model) -> None:
+    """Refuse, before any work, a linear-attention short convolution whose activation our op does not have.
+
+    The families' configs set it through `hidden_act` (SiLU by default); transformers' own modules take any
+    activation, so such a model loads and runs there, and would otherwise fail deep inside the first step.
+    """
+    for name, module in model.named_modules():
+        activation = getattr(module, "activation", None)
+        if hasattr(module, "conv1d") and activation not in ACTIVATIONS:
+            raise HartsError(f"{model.config.model_type}: {name}'s short convolution uses activation {activation!r} "
+                             f"(config hidden_act), which HARTS runs only as {', '.join(map(repr, ACTIVATIONS))}; "
+                             "fix: save the model with hidden_act 'silu', the family's default")
 
 
 class RowRunner:
@@ -35,6 +51,7 @@ class RowRunner:
 
     def __init__(self, model, chunk_size: int = 64, attention_block_tokens: int | None = None,
                  recompute: bool = False):
+        check_short_conv_activation(model)
         self.model = model
         self.config = model.config
         self.chunk_size = chunk_size
