@@ -143,9 +143,9 @@ def grads_bytes(grads: dict) -> bytes:
 def write_outputs(result, logprobs_out: str | None, grads_out: str | None) -> None:
     """Write the requested outputs as one: both files appear, or neither does."""
     files = {}
-    if logprobs_out:
+    if logprobs_out is not None:
         files[logprobs_out] = logprobs_bytes(result.logprobs)
-    if grads_out:
+    if grads_out is not None:
         files[grads_out] = grads_bytes(result.grads)
     if files:
         atomic_write_files(files)
@@ -223,7 +223,7 @@ def flag_conflict(args) -> str | None:
     """The one-line complaint about flags that contradict each other, or None."""
     if args.no_replay and args.mode == "expanded":
         return "--no-replay has no meaning with --mode expanded (nothing is handed over); fix: drop one of them"
-    if args.forward_only and args.grads_out:
+    if args.forward_only and args.grads_out is not None:
         return "--grads-out needs the backward pass; fix: drop --forward-only"
     return None
 
@@ -300,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         loss = loss_config(args)
         # Every input check comes before the model loads and the step runs: a
         # bad output path must not cost a whole step, nor leave one file of two.
-        check_outputs(args.plan, args.model, [p for p in (args.logprobs_out, args.grads_out) if p])
+        # An empty path (`--logprobs-out "$UNSET"`) is refused there, not taken as "no output".
+        check_outputs(args.plan, args.model, [p for p in (args.logprobs_out, args.grads_out) if p is not None])
         plan = read_plan(args.plan)
         if not args.no_check:
             # The executor trusts the plan's index tables: a broken invariant would run to wrong

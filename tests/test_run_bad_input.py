@@ -128,6 +128,13 @@ def test_bad_output_paths_are_refused_before_the_model_loads(workspace, tmp_path
     assert sorted(os.listdir(tmp_path)) == before
 
 
+@pytest.mark.parametrize("flag", ["--logprobs-out", "--grads-out"])
+def test_an_empty_output_path_is_refused_not_taken_as_none(workspace, capsys, no_model_load, flag):
+    """`--logprobs-out "$UNSET"` ran and wrote nothing with exit 0 (found by a user audit)."""
+    assert harts(run_argv(workspace, flag, "")) == 2
+    assert "the output path is empty" in one_line(capsys)
+
+
 def test_a_model_file_as_output_is_refused(workspace, capsys, no_model_load):
     target = workspace / "model" / "model.safetensors"
     before = target.read_bytes()
