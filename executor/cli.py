@@ -133,6 +133,24 @@ def logprobs_bytes(logprobs: dict) -> bytes:
     return buffer.getvalue()
 
 
+def check_npz_ids(ids) -> None:
+    """Refuse, before the run, ids `np.load` could not give back from the .npz `logprobs_bytes` writes.
+
+    An entry is named `{id}.npy`; np.load finds key k as the entry k first, then k.npy, so ids "a" and
+    "a.npy" both answer to lp["a.npy"]. A zip entry name also ends at a NUL character.
+    """
+    keys = {str(i) for i in ids}
+    for key in sorted(keys):
+        if "\x00" in key:
+            raise HartsError(f"--logprobs-out: trajectory id {key!r} holds a NUL character, which an .npz entry "
+                             "name cannot; fix: rename it in trees.jsonl and recompile, or take log-probabilities "
+                             "from harts.api.run")
+        if key.endswith(".npy") and key[:-4] in keys:
+            raise HartsError(f"--logprobs-out: trajectory ids {key[:-4]!r} and {key!r} cannot be told apart in "
+                             f"an .npz (np.load reads {key!r} as the entry of {key[:-4]!r}); fix: rename one in "
+                             "trees.jsonl and recompile, or take log-probabilities from harts.api.run")
+
+
 def grads_bytes(grads: dict) -> bytes:
     """A .safetensors of every parameter's gradient, keyed by parameter name."""
     from safetensors.torch import save
@@ -307,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
             # The executor trusts the plan's index tables: a broken invariant would run to wrong
             # log-probabilities or fail midway, so it is refused before any work.
             require_valid_plan(args.plan, plan)
+        if args.logprobs_out is not None:
+            check_npz_ids(plan.step["ids"])
+        if distributed.launched_by_torchrun():
+            distributed.check_world_size(int(plan.flags["dp"]))
         device = model_device(args.device)
         # HARTS_LINEAR_ATTENTION checked before the model loads; the backend itself is known after.
         select_backend(device, int(plan.flags["chunk_size"]))

@@ -41,6 +41,15 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def check_world_size(plan_dp: int) -> None:
+    """One process per replica of the plan; checked from torchrun's environment, before the model loads."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size != plan_dp:
+        started = f"{world_size} process" + ("" if world_size == 1 else "es")
+        raise HartsError(f"the plan was compiled for --dp {plan_dp} but torchrun started {started}; "
+                         f"fix: run torchrun --nproc-per-node {plan_dp}, or recompile with --dp {world_size}")
+
+
 def init_data_parallel(plan_dp: int, device: torch.device) -> DataParallel:
     """Join the process group torchrun set up; one rank per replica of the plan.
 
@@ -48,10 +57,7 @@ def init_data_parallel(plan_dp: int, device: torch.device) -> DataParallel:
     CPU), not merely whether a GPU exists: `--device cpu` on a GPU machine
     must reduce CPU tensors, which nccl cannot.
     """
-    world_size = int(os.environ["WORLD_SIZE"])
-    if world_size != plan_dp:
-        raise HartsError(f"the plan was compiled for --dp {plan_dp} but torchrun started {world_size} processes; "
-                         f"fix: run torchrun --nproc-per-node {plan_dp}, or recompile with --dp {world_size}")
+    check_world_size(plan_dp)
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)

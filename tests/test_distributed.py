@@ -104,4 +104,4 @@ def test_one_process_under_torchrun_refuses_a_two_replica_plan(tmp_path):
     assert harts(["init-model", "--vocab-size", "64", "-o", str(tmp_path / "model")]) == 0
     out = torchrun(1, ["harts", "run", str(tmp_path / "step.plan"), "--model", str(tmp_path / "model")])
     assert out.returncode != 0
-    assert "compiled for --dp 2 but torchrun started 1 processes" in out.stderr
+    assert "compiled for --dp 2 but torchrun started 1 process;" in out.stderr

@@ -5,6 +5,7 @@ Run: `python -m pytest tests/test_run_cli.py -q`.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 
 import numpy as np
@@ -14,7 +15,8 @@ from safetensors.numpy import load_file
 
 from harts.cli import main as harts
 from harts.compiler.cli import main as hartsc
-from harts.executor.cli import logprobs_bytes
+from harts.executor.cli import check_npz_ids, logprobs_bytes
+from harts.schema.errors import HartsError
 
 from run_workspace import make_run_workspace
 
@@ -49,9 +51,26 @@ def test_run_writes_logprobs_and_gradients(workspace, loss):
     assert all(np.isfinite(g).all() for g in grads.values())
 
 
+@pytest.mark.parametrize("ids, words", [
+    (["a", "a.npy"], "ids 'a' and 'a.npy' cannot be told apart"),
+    ([7, "7.npy"], "ids '7' and '7.npy'"),
+    (["nul\x00x", "b"], "holds a NUL character"),
+])
+def test_ids_an_npz_cannot_give_back_are_refused_before_the_run(ids, words):
+    """Found by a user audit: np.load(lp)["a.npy"] returned id "a"'s values, and an id with a NUL came back
+    cut at it. Every id the check lets through does come back (test below); these do not."""
+    with pytest.raises(HartsError, match=words):
+        check_npz_ids(ids)
+    logprobs = {str(key): np.full(3 + i, float(i), dtype=np.float32) for i, key in enumerate(ids)}
+    with np.load(io.BytesIO(logprobs_bytes(logprobs))) as loaded:
+        assert any(key not in loaded.files or not np.array_equal(loaded[key], values)
+                   for key, values in logprobs.items())
+
+
 def test_logprobs_file_keeps_every_id(tmp_path):
     # Ids are user strings: some spell np.savez's own parameters, others look like paths.
     ids = ["file", "allow_pickle", "args", "kwds", "a/b", "../up", "x.npy", "\u00fcn\u00efcode", "7", ""]
+    check_npz_ids(ids)
     logprobs = {key: np.array([np.nan, -float(i), -0.5], dtype=np.float32) for i, key in enumerate(ids)}
     path = tmp_path / "lp.npz"
     path.write_bytes(logprobs_bytes(logprobs))
