@@ -101,6 +101,38 @@ def trainable_gradients(model) -> dict:
             for name, p in model.named_parameters() if p.requires_grad}
 
 
+MODEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def check_call(plan, model, backward: bool, microbatches) -> None:
+    """One UsageError with a fix for arguments `run_step` cannot run, before any work (rather than a torch
+    error from deep inside the step, or, for repeated microbatch indices, a silently doubled loss)."""
+    if not isinstance(plan, Plan):
+        raise UsageError(f"plan must be a harts Plan, got {type(plan).__name__}; "
+                         "fix: plan = harts.api.read_plan(path) (or compile_trajectories(...))")
+    parameters = list(model.parameters()) if hasattr(model, "parameters") else []
+    if not parameters:
+        raise UsageError(f"model must be a Hugging Face model with parameters, got {type(model).__name__}; "
+                         "fix: pass e.g. AutoModelForCausalLM.from_pretrained(dir)")
+    dtypes = sorted({str(p.dtype) for p in parameters if p.is_floating_point() and p.dtype not in MODEL_DTYPES})
+    if dtypes:
+        raise UsageError(f"the model holds {', '.join(dtypes)} parameters; HARTS runs float32 or bfloat16 models; "
+                         "fix: model.float() (or .to(torch.bfloat16))")
+    if backward and torch.is_inference_mode_enabled():
+        raise UsageError("called inside torch.inference_mode(), which records nothing to differentiate; "
+                         "fix: call outside it, or pass backward=False")
+    if backward and not any(p.requires_grad for p in parameters):
+        raise UsageError("no model parameter requires a gradient; fix: unfreeze what should train, or pass "
+                         "backward=False")
+    if microbatches is not None:
+        count = len(plan.microbatches)
+        bad = [i for i in microbatches if isinstance(i, bool) or not isinstance(i, (int, np.integer))
+               or not 0 <= i < count]
+        if bad or len(set(microbatches)) != len(microbatches):
+            raise UsageError(f"microbatches must be distinct indices in [0, {count}), got {list(microbatches)!r}; "
+                             "fix: pass each microbatch once (a repeated one would count its loss twice)")
+
+
 def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = LossConfig(),
              backward: bool = True, microbatches: list[int] | None = None,
              pack_expanded: bool = True, recompute: bool = False, progress=None,
@@ -135,6 +167,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     in `StepResult.logprobs`), so the LM head skips the rows of prompts and
     tool outputs. Loss, gradients and MoE statistics are the same either way.
     """
+    check_call(plan, model, backward, microbatches)
     if not hasattr(model, "config") and hasattr(model, "module"):
         raise UsageError(f"the model is wrapped ({type(model).__name__}); fix: pass the Hugging Face model itself "
                          "(model.module): HARTS splits data parallelism by the plan's replicas (torchrun ... harts "

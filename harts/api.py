@@ -118,6 +118,8 @@ def _check_labels(values, name: str, count: int, *, unique: bool) -> tuple | Non
     for i, v in enumerate(values):
         if isinstance(v, np.integer):
             v = int(v)
+        elif isinstance(v, str):   # numpy's and other str subclasses: the plan stores plain text
+            v = str(v)
         if v is None and not unique:   # a trajectory in no named tree, as a record without "tree"
             out.append(v)
             continue

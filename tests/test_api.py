@@ -4,6 +4,8 @@ Run: `python -m pytest tests/test_api.py -q`.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 
 import numpy as np
@@ -134,3 +136,46 @@ def test_read_plan_refuses_a_plan_breaking_an_invariant_unless_told_not_to_check
         api.read_plan(path)
     assert str(path) in str(info.value) and "fix:" in str(info.value)
     assert api.read_plan(path, check=False).microbatches[0]["member_own_start"][1] == mb["member_own_start"][1]
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from harts.executor.models.init_model import build_model
+    return build_model("kimi_linear", "tiny", 16, 0)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("plan-path", "plan must be a harts Plan, got str; fix: plan = harts.api.read_plan"),
+    ("model-none", "model must be a Hugging Face model with parameters, got NoneType"),
+    ("float64", "holds torch.float64 parameters; HARTS runs float32 or bfloat16 models"),
+    ("all-frozen", "no model parameter requires a gradient"),
+    ("inference-mode", "called inside torch.inference_mode()"),
+    ("microbatch-out-of-range", r"microbatches must be distinct indices in \[0, 1\), got \[99\]"),
+    ("microbatch-negative", r"got \[-1\]"),
+    ("microbatch-twice", r"got \[0, 0\]; fix: pass each microbatch once"),
+])
+def test_run_arguments_it_cannot_run_are_usage_errors(tiny_model, case, words):
+    """Found by a user audit: each gave a raw torch or Python error from inside the step, and repeated
+    microbatch indices silently doubled that microbatch's loss and gradient."""
+    from harts.executor.runtime import run_step
+    plan = api.compile_trajectories(TOKENS)
+    model, kwargs = tiny_model, {}
+    if case == "plan-path":
+        plan = "step.plan"
+    elif case == "model-none":
+        model = None
+    elif case == "float64":
+        model = copy.deepcopy(tiny_model).double()
+    elif case == "all-frozen":
+        model = copy.deepcopy(tiny_model).requires_grad_(False)
+    elif case.startswith("microbatch"):
+        kwargs["microbatches"] = {"microbatch-out-of-range": [99], "microbatch-negative": [-1],
+                                  "microbatch-twice": [0, 0]}[case]
+    with pytest.raises(api.UsageError, match=words), \
+            (torch.inference_mode() if case == "inference-mode" else contextlib.nullcontext()):
+        run_step(plan, model, **kwargs)
+
+
+def test_numpy_string_ids_are_strings():
+    plan = api.compile_trajectories(TOKENS, ids=[np.str_("a"), "b"])
+    assert plan.step["ids"] == ["a", "b"] and type(plan.step["ids"][0]) is str
