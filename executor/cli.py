@@ -38,9 +38,27 @@ def _load_errors() -> tuple[type[BaseException], ...]:
     return (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError)
 
 
+def check_model_type(model_dir: str) -> None:
+    """Refuse, before any weights load, a config.json naming a family HARTS has no runner for."""
+    import json
+
+    from harts.executor.models.registry import RUNNERS
+    try:
+        model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return   # missing or unreadable: the load below says so
+    if isinstance(model_type, str) and model_type not in RUNNERS:
+        raise HartsError(f"{model_dir}: model type {model_type!r} is not supported; fix: use one of "
+                         f"{', '.join(sorted(RUNNERS))} (harts init-model writes one)")
+
+
 def load_model(model_dir: str, dtype: str = "float32"):
     """Load from local disk only; one clear line when the directory is not a complete model."""
     path = Path(model_dir)
+    if not path.is_dir():
+        raise HartsError(f"{model_dir}: no such folder; fix: pass a Hugging Face model directory "
+                         "(harts init-model writes one)")
+    check_model_type(model_dir)
     if not (path / "config.json").is_file():
         raise HartsError(f"{model_dir}: no config.json; fix: pass a Hugging Face model directory "
                          "(harts init-model writes one)")

@@ -101,6 +101,24 @@ def test_weights_missing_tensors_or_in_other_shapes_are_refused(workspace, tmp_p
     assert err.startswith(f"harts run: {model}: ") and words in err
 
 
+@pytest.mark.parametrize("model_type", ["llama", "foo_bar"])
+def test_an_unsupported_model_type_is_named_before_the_weights_load(workspace, tmp_path, capsys, model_type):
+    """Found by a user audit: a type transformers does not know got the fix for a damaged weights file."""
+    model = tmp_path / "model"
+    shutil.copytree(workspace / "model", model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(dict(config, model_type=model_type)))
+    assert harts(run_argv(workspace, model=model)) == 2
+    err = one_line(capsys)
+    assert err == (f"harts run: {model}: model type {model_type!r} is not supported; fix: use one of kimi_linear, "
+                   "qwen3_next (harts init-model writes one)")
+
+
+def test_a_missing_model_folder_says_so(workspace, tmp_path, capsys):
+    assert harts(run_argv(workspace, model=tmp_path / "nowhere")) == 2
+    assert "nowhere: no such folder" in one_line(capsys)
+
+
 # --------------------------------------------------------------------------- harts run: outputs
 
 
