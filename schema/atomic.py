@@ -80,16 +80,32 @@ def check_can_create_under(label: str, folder: Path) -> None:
 
 def _temporary_beside(path: Path):
     """Create the parent folders and an exclusive temporary file next to the file `path` names (a link's
-    target); (fd, temp path, the path to rename it to)."""
+    target); (fd, temp path, the path to rename it to, the folders created, deepest first)."""
     path = check_output_path(path)
+    created = []
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        created.append(folder)
+        folder = folder.parent
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         # Mode 0o666 (less the umask), as any new file gets, rather than mkstemp's
         # 0600: the mode survives the rename.
-        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp, path
+        return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp, path, created
     except OSError as err:
+        _remove_empty(created)
         raise OutputError(path, _reason(err), "check that the folder exists as a folder and is writable") from err
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove folders an output created, deepest first, as long as they are empty: a failed write leaves
+    no trace, and a folder something else has written into since stays."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 @contextlib.contextmanager
@@ -99,7 +115,7 @@ def atomic_output(path: str | os.PathLike):
     Failures of creating, syncing or renaming the file raise `OutputError`;
     an exception raised by the caller's writing passes through unchanged.
     """
-    fd, tmp, path = _temporary_beside(Path(path))
+    fd, tmp, path, created = _temporary_beside(Path(path))
     try:
         with os.fdopen(fd, "wb") as out:
             yield out
@@ -115,6 +131,7 @@ def atomic_output(path: str | os.PathLike):
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        _remove_empty(created)
         raise
 
 
@@ -135,9 +152,11 @@ def atomic_write_files(files: dict) -> None:
     """
     staged: list[tuple[Path, Path]] = []
     kept: dict[Path, Path | None] = {}      # target -> its earlier file's keeping place (None: it had none)
+    created: list[Path] = []                # folders made for the outputs, deepest first per output
     try:
         for path, data in files.items():
-            fd, tmp, path = _temporary_beside(Path(path))
+            fd, tmp, path, made = _temporary_beside(Path(path))
+            created = made + created          # later outputs' folders may sit inside earlier ones'
             staged.append((path, tmp))
             try:
                 with os.fdopen(fd, "wb") as out:
@@ -164,6 +183,8 @@ def atomic_write_files(files: dict) -> None:
         for _, tmp in staged:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+        for folder in created:
+            _remove_empty([folder])
         raise
     for earlier in kept.values():
         if earlier is not None:

@@ -56,3 +56,19 @@ def test_without_hard_links_the_earlier_file_is_copied(tmp_path, monkeypatch):
         atomic.atomic_write_files({tmp_path / "lp.npz": b"new", tmp_path / "g.safetensors": b"new"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lp.npz"]
     assert (tmp_path / "lp.npz").read_text() == "old"
+
+
+def test_a_failed_write_removes_the_folders_it_created(tmp_path, monkeypatch):
+    """Found by a user audit: a failed run left the empty output folders it had made."""
+    (tmp_path / "kept").mkdir()
+    failing_replace_of("g.safetensors", monkeypatch)
+    with pytest.raises(OutputError):
+        atomic.atomic_write_files({tmp_path / "new" / "a" / "lp.npz": b"lp",
+                                   tmp_path / "new" / "b" / "g.safetensors": b"g",
+                                   tmp_path / "kept" / "x": b"x"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and not any((tmp_path / "kept").iterdir())
+    with pytest.raises(ValueError):
+        with atomic.atomic_output(tmp_path / "one" / "two" / "f") as out:
+            out.write(b"partial")
+            raise ValueError("the writer failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
