@@ -21,7 +21,7 @@ from harts.schema.timing import plan_digest, timing_path
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hartsc", description="Compile rollout trajectories (trees.jsonl) into a HARTS plan.")
-    p.add_argument("trees", help="input trajectories: trees.jsonl or trees.jsonl.zst (see docs/contract)")
+    p.add_argument("trees", help="input trajectories: trees.jsonl or trees.jsonl.zst (see docs/input-contract.md)")
     p.add_argument("-o", "--output", required=True, help="plan file to write (atomically)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree D (default 1)")
     p.add_argument("--capacity", type=int, default=65536, help="compact-token capacity T per microbatch (default 65536)")
@@ -48,33 +48,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-window-slots", type=int, default=0, metavar="N",
                    help="L2: no sharing window spans more than N slots, which bounds how long a producer's "
                         "activations stay in memory (default 0: no limit)")
-    p.add_argument("--seed", type=int, default=0, help="seed for randomised search and the ffd planner's CP-SAT (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the ffd planner's CP-SAT search; the harts planner is deterministic and "
+                        "only records it (default 0)")
     p.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= this (default: no check)")
     p.add_argument("--debug", action="store_true", help="verify the IR after every pass (slow at paper scale)")
     p.add_argument("--json", action="store_true", help="print the plan statistics as one JSON object on stdout")
-    p.add_argument("-v", "--verbose", action="store_true", help="explain each pass's decisions, one line per pass")
+    p.add_argument("-v", "--verbose", action="store_true", help="explain each pass's decisions on stderr (a line per pass; L2 adds one per search phase)")
     return p
 
 
-# Flags that only one planner or level reads: (flag, argparse dest, what it needs, whether that is given).
+# Flags that only one planner or level reads: (flag, argparse dest, what it needs, whether the compile has it).
 # (--pairs-per-token is not one: `harts stats` prices cost_balance with it at either level.)
 _IDLE_FLAGS = (
-    ("--ffd-time-budget", "ffd_time_budget", "--planner ffd", lambda a: a.planner == "ffd"),
-    ("--ffd-first-feasible", "ffd_first_feasible", "--planner ffd", lambda a: a.planner == "ffd"),
-    ("--ffd-shard", "ffd_shard", "--planner ffd", lambda a: a.planner == "ffd"),
-    ("--max-window-slots", "max_window_slots", "--levels l1+l2", lambda a: a.levels == "l1+l2"),
+    ("--ffd-time-budget", "ffd_time_budget", "--planner ffd", lambda o: o.planner == "ffd"),
+    ("--ffd-first-feasible", "ffd_first_feasible", "--planner ffd", lambda o: o.planner == "ffd"),
+    ("--ffd-shard", "ffd_shard", "--planner ffd", lambda o: o.planner == "ffd"),
+    ("--max-window-slots", "max_window_slots", "--levels l1+l2", lambda o: o.effective_levels == "l1+l2"),
 )
 
 
-def idle_flag_warnings(args, parser) -> list[str]:
+def idle_flag_warnings(args, parser, options: CompileOptions) -> list[str]:
     """A warning for each flag set away from its default that the chosen planner or level never reads.
 
     Not an error: the run is still what was asked for, and the value is recorded in the plan's flags
-    (so `harts diff` shows it), but a user who set it most likely expected it to matter.
+    (so `harts diff` shows it), but a user who set it most likely expected it to matter. Judged on the
+    compile's effective options (`--levels` left out means l1+l2 for the harts planner).
     """
     return [f"{flag} has no effect without {needs} (recorded in the plan's flags all the same)"
-            for flag, dest, needs, given in _IDLE_FLAGS
-            if getattr(args, dest) != parser.get_default(dest) and not given(args)]
+            for flag, dest, needs, used in _IDLE_FLAGS
+            if getattr(args, dest) != parser.get_default(dest) and not used(options)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +99,7 @@ def _compile(argv: list[str] | None) -> int:
                                  max_window_slots=args.max_window_slots)
         # Flags and output paths are checked before the (possibly minutes-long) read and compile.
         check_options(options)
-        for line in idle_flag_warnings(args, build_parser()):
+        for line in idle_flag_warnings(args, build_parser(), options):
             print(f"hartsc: warning: {line}", file=sys.stderr)
         output = check_output_path(args.output, inputs=[args.trees])
         # Beside the name given: `harts stats` looks for it there even when the plan is a link.

@@ -413,7 +413,13 @@ def _loads_nonstandard(line: bytes, where: _Where, err: orjson.JSONDecodeError, 
     try:
         obj = json.loads(text, parse_constant=keep_constant)
     except (ValueError, RecursionError):
-        # orjson's column is the useful part: its "line 1" is always line 1 of this line.
+        # orjson's column is the useful part. A line cut short and ending in its newline reads to orjson
+        # as ending on a second, empty line ("line 2, column 1"): the column is then taken without it.
+        if getattr(err, "lineno", 1) > 1:
+            try:
+                orjson.loads(line.rstrip(b"\r\n"))
+            except orjson.JSONDecodeError as within:
+                err = within
         column = f" at column {err.colno}" if getattr(err, "colno", None) else ""
         raise where.error(None, f"malformed JSON: {err.msg}{column}", _FIX_LINE) from None
     _reject_lone_surrogates(obj, where)

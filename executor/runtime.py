@@ -104,9 +104,12 @@ def trainable_gradients(model) -> dict:
 MODEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def check_call(plan, model, backward: bool, microbatches) -> None:
+def check_call(plan, model, backward: bool, microbatches, loss=LossConfig()) -> None:
     """One UsageError with a fix for arguments `run_step` cannot run, before any work (rather than a torch
     error from deep inside the step, or, for repeated microbatch indices, a silently doubled loss)."""
+    if not isinstance(loss, LossConfig):
+        raise UsageError(f"loss must be a LossConfig here, got {type(loss).__name__}; fix: "
+                         "LossConfig(kind='grpo'), or harts.api.run, which also takes a name or a function")
     if not isinstance(plan, Plan):
         raise UsageError(f"plan must be a harts Plan, got {type(plan).__name__}; "
                          "fix: plan = harts.api.read_plan(path) (or compile_trajectories(...))")
@@ -167,7 +170,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     in `StepResult.logprobs`), so the LM head skips the rows of prompts and
     tool outputs. Loss, gradients and MoE statistics are the same either way.
     """
-    check_call(plan, model, backward, microbatches)
+    check_call(plan, model, backward, microbatches, loss)
     if not hasattr(model, "config") and hasattr(model, "module"):
         raise UsageError(f"the model is wrapped ({type(model).__name__}); fix: pass the Hugging Face model itself "
                          "(model.module): HARTS splits data parallelism by the plan's replicas (torchrun ... harts "

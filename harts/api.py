@@ -156,6 +156,13 @@ def _check_tokens(tokens, vocab_size: int | None) -> None:
             raise ValueError(f"trajectory {i}: tokens must be a list of at least 2 ids; fix: drop or extend it")
         if a.dtype.kind not in "iu":
             raise ValueError(f"trajectory {i}: tokens have dtype {a.dtype}; fix: give integer token ids")
+        if isinstance(t, (list, tuple)):
+            # numpy reads [True, 2, 3] as ints without a trace; a bool can only have become 0 or 1, so only
+            # those entries are looked at (a few per trajectory: pad and bos), not every token.
+            flagged = [j for j in np.flatnonzero(a <= 1).tolist() if type(t[j]) is bool]
+            if flagged:
+                raise ValueError(f"trajectory {i}: tokens[{flagged[0]}] is {t[flagged[0]]} (a boolean); "
+                                 "fix: give integer token ids")
         if a.min() < 0 or (vocab_size is not None and a.max() >= vocab_size) or a.max() >= 2**31:
             raise ValueError(f"trajectory {i}: token ids must lie in [0, {vocab_size or 2**31}); "
                              f"got [{int(a.min())}, {int(a.max())}]; fix: use the model tokenizer's ids")

@@ -43,6 +43,7 @@ TOKENS = [[1, 2, 3], [1, 2, 4]]
     (dict(tokens=TOKENS, trees="t"), "trees must be a sequence"),
     (dict(tokens=None), "tokens must be a sequence"),
     (dict(tokens=[[1, [2, 3]], [1, 2]]), "trajectory 0: tokens are not a flat list"),
+    (dict(tokens=[[1, 2, 3], [1, 2, True]]), r"trajectory 1: tokens\[2\] is True \(a boolean\)"),
     (dict(tokens=TOKENS, advantages=0.5), "advantages must be a sequence"),
     (dict(tokens=TOKENS, loss_masks=[[1, 1, 1], [1, 3, 1]]), "trajectory 1: loss_masks hold a value"),
     (dict(tokens=TOKENS, capacity=2), "more than capacity"),
@@ -56,7 +57,7 @@ TOKENS = [[1, 2, 3], [1, 2, 4]]
     (dict(tokens=[[1] * 12, [2] * 37, [3] * 37], dp=2, capacity=41), "e.g. 1 or 3"),
 ], ids=["negative", "float", "short", "vocab", "mask-length", "mask-value", "nan", "nan-advantage", "empty",
         "advantages", "ids", "ids-as-strings", "ids-count", "id-none", "id-float", "id-bool", "id-bytes", "id-huge",
-        "id-surrogate", "tree-tuple", "trees-str", "tokens-none", "tokens-nested", "advantages-scalar",
+        "id-surrogate", "tree-tuple", "trees-str", "tokens-none", "tokens-nested", "token-bool", "advantages-scalar",
         "mask-value-names-trajectory", "capacity", "bool-advantages", "bool-logprobs", "dp-0", "chunk-0", "levels", "vocab-0",
         "dp-cannot-fill"])
 def test_bad_batches_are_value_errors_with_a_fix(kwargs, words):
@@ -153,6 +154,7 @@ def tiny_model():
     ("microbatch-out-of-range", r"microbatches must be distinct indices in \[0, 1\), got \[99\]"),
     ("microbatch-negative", r"got \[-1\]"),
     ("microbatch-twice", r"got \[0, 0\]; fix: pass each microbatch once"),
+    ("loss-name", "loss must be a LossConfig here, got str"),
 ])
 def test_run_arguments_it_cannot_run_are_usage_errors(tiny_model, case, words):
     """Found by a user audit: each gave a raw torch or Python error from inside the step, and repeated
@@ -168,6 +170,8 @@ def test_run_arguments_it_cannot_run_are_usage_errors(tiny_model, case, words):
         model = copy.deepcopy(tiny_model).double()
     elif case == "all-frozen":
         model = copy.deepcopy(tiny_model).requires_grad_(False)
+    elif case == "loss-name":
+        kwargs["loss"] = "grpo"
     elif case.startswith("microbatch"):
         kwargs["microbatches"] = {"microbatch-out-of-range": [99], "microbatch-negative": [-1],
                                   "microbatch-twice": [0, 0]}[case]

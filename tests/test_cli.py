@@ -209,6 +209,7 @@ def test_positive_logprobs_warn_in_python_too():
     (["--ffd-first-feasible", "--ffd-shard", "trajectory"],
      ["--ffd-first-feasible has no effect without --planner ffd", "--ffd-shard has no effect without --planner ffd"]),
     (["--levels", "l1", "--max-window-slots", "2"], ["--max-window-slots has no effect without --levels l1+l2"]),
+    (["--max-window-slots", "2"], []),      # --levels left out: l1+l2, which reads it (found by a docs audit)
     (["--levels", "l1", "--pairs-per-token", "0"], []),      # harts stats' cost_balance reads it at either level
     (["--planner", "ffd", "--levels", "l1", "--ffd-time-budget", "1"], []),
 ])

@@ -413,3 +413,15 @@ def test_a_short_conv_activation_our_op_lacks_is_one_line(arch):
     with pytest.raises(HartsError, match="short convolution uses activation 'gelu'.*fix: save the model with "
                                          "hidden_act 'silu'"):
         runner_for(model)
+
+
+@pytest.mark.parametrize("name", ["trees.jsonl", "step.plan"])
+def test_demo_keeps_a_users_file_under_its_output_names(tmp_path, capsys, name):
+    """Found by a docs audit: `harts demo --no-model --out DIR` replaced DIR's own trees.jsonl and step.plan."""
+    (tmp_path / name).write_text("mine")
+    assert harts(["demo", "--out", str(tmp_path), "--no-model"]) == 2
+    assert "an earlier demo did not write it" in one_line(capsys)
+    assert sorted(os.listdir(tmp_path)) == [name] and (tmp_path / name).read_text() == "mine"
+    (tmp_path / name).unlink()
+    assert harts(["demo", "--out", str(tmp_path), "--no-model"]) == 0
+    assert harts(["demo", "--out", str(tmp_path), "--no-model"]) == 0     # its own outputs: replaced

@@ -37,8 +37,9 @@ DEMO_CAPACITY = 2048
 # Rollouts stop at the microbatch capacity, so every trajectory fits one microbatch whatever --seed draws
 # (at 4,096 about half the seeds drew a longer one and the compile step failed).
 DEMO_WORKLOAD["context_limit"] = DEMO_CAPACITY
-# Beside model/ once the demo has written it: only a model/ with this mark is the demo's to replace.
-DEMO_MARK = ".harts-demo-model"
+# Written into --out before the demo writes its outputs there: only beside this mark are trees.jsonl,
+# step.plan and model/ the demo's to replace; without it, such files are someone's, and refused.
+DEMO_MARK = ".harts-demo"
 
 
 def prepare_out(out: str | None) -> Path:
@@ -63,10 +64,11 @@ def prepare_out(out: str | None) -> Path:
 def check_outputs(out: Path, with_model: bool) -> tuple[Path, Path, Path]:
     """The demo's three outputs, each checked before any work: trees.jsonl, step.plan, model/.
 
-    model/ may hold the model of an earlier demo run in the same folder (the
-    folder then holds `DEMO_MARK`): it is replaced. Any other model there
-    (one `harts init-model` wrote, or a checkpoint saved with
-    `save_pretrained`) is refused, even with only the files a demo writes.
+    Outputs of an earlier demo run in the same folder (the folder then holds
+    `DEMO_MARK`) are replaced. Without the mark an existing trees.jsonl or
+    step.plan, or a non-empty model/ (one `harts init-model` wrote, or a
+    checkpoint saved with `save_pretrained`, even with only the files a demo
+    writes), is refused.
     """
     from harts.executor.models.init_model import check_model_dir
     from harts.schema.atomic import check_output_path
@@ -74,10 +76,14 @@ def check_outputs(out: Path, with_model: bool) -> tuple[Path, Path, Path]:
     trees, plan_path, model_dir = out / "trees.jsonl", out / "step.plan", out / "model"
     check_output_path(trees)
     check_output_path(plan_path)
-    if with_model:
-        if model_dir.is_dir() and any(model_dir.iterdir()) and not (out / DEMO_MARK).is_file():
+    if not (out / DEMO_MARK).is_file():
+        for path in (trees, plan_path):
+            if path.exists():
+                raise OutputError(path, "an earlier demo did not write it", "give --out a new folder, or move it away")
+        if with_model and model_dir.is_dir() and any(model_dir.iterdir()):
             raise OutputError(model_dir, "it holds a model an earlier demo did not write",
                               "give --out a new folder, or move that model away")
+    if with_model:
         check_model_dir(model_dir, replace=True)
     return trees, plan_path, model_dir
 
@@ -85,7 +91,8 @@ def check_outputs(out: Path, with_model: bool) -> tuple[Path, Path, Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="harts demo", description="Generate, compile, check and run a small step.")
     parser.add_argument("--out", help="folder for trees.jsonl, step.plan and model/ (default: a new temporary "
-                                      "folder); a model/ an earlier demo wrote there is replaced")
+                                      "folder); what an earlier demo wrote there is replaced, anything else "
+                                      "under those names is refused")
     parser.add_argument("--kind", choices=gen.KINDS, default="stepwise", help="sampling scheme (default stepwise)")
     parser.add_argument("--seed", type=int, default=0, help="workload and model seed, >= 0 (default 0)")
     parser.add_argument("--no-model", action="store_true", help="stop after compiling and checking (no torch work)")
@@ -100,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             check_arguments("kimi_linear", "tiny", DEMO_VOCAB, args.seed)
         out = prepare_out(args.out)
         trees, plan_path, model_dir = check_outputs(out, not args.no_model)
+        (out / DEMO_MARK).write_text("trees.jsonl, step.plan and model/ here were written by harts demo, "
+                                     "which replaces them when run again with this --out\n")
         gen.write_jsonl(gen.generate(config), trees)
         for name, run, step_argv in (
             ("compile", hartsc.main, [str(trees), "-o", str(plan_path), "--vocab-size", str(DEMO_VOCAB),
@@ -125,7 +134,6 @@ def run_model(out: Path, plan_path: Path, model_dir: Path, seed: int, started: f
     from harts.schema.summary import plan_statistics
 
     model = init_model("kimi_linear", "tiny", model_dir, vocab_size=DEMO_VOCAB, seed=seed, replace=True)
-    (out / DEMO_MARK).write_text("model/ was written by harts demo, which may replace it\n")
     plan = read_plan(plan_path)
     stats = plan_statistics(plan)
     expanded = run_step(plan, model, mode="expanded")
