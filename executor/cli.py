@@ -128,8 +128,8 @@ def check_outputs(plan: str, model_dir: str, outputs: list[str]) -> None:
         model_files = []
     seen: set[str] = set()
     for path in outputs:
-        check_output_path(path, inputs=(plan, *model_files))
-        key = os.path.abspath(path)
+        # The file each would replace: a symlink is written through, so a link and its target are one file.
+        key = os.path.realpath(check_output_path(path, inputs=(plan, *model_files)))
         if key in seen:
             raise OutputError(path, "--logprobs-out and --grads-out name the same file",
                               "give each output its own file name")

@@ -153,6 +153,14 @@ def test_an_empty_output_path_is_refused_not_taken_as_none(workspace, capsys, no
     assert "the output path is empty" in one_line(capsys)
 
 
+def test_two_outputs_through_a_symlink_to_one_file_are_refused(workspace, tmp_path, capsys, no_model_load):
+    """Outputs are written through symlinks, so a link and its target are the same output."""
+    (tmp_path / "link.out").symlink_to(tmp_path / "real.out")
+    flags = ["--logprobs-out", str(tmp_path / "link.out"), "--grads-out", str(tmp_path / "real.out")]
+    assert harts(run_argv(workspace, *flags)) == 2
+    assert "name the same file" in one_line(capsys)
+
+
 def test_a_model_file_as_output_is_refused(workspace, capsys, no_model_load):
     target = workspace / "model" / "model.safetensors"
     before = target.read_bytes()
