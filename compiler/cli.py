@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -108,6 +109,9 @@ def _compile(argv: list[str] | None) -> int:
         except OutputError as err:   # its name follows the plan's: the fix is to clear that path, not rename
             raise OutputError(err.path, err.problem, f"move it away: hartsc writes the plan's timing record "
                                                      f"there, beside {args.output}") from None
+        if os.path.realpath(sidecar) == os.path.realpath(output):   # a link from one name to the other
+            raise OutputError(timing_path(args.output), "it leads to the plan file itself",
+                              f"move it away: hartsc writes the plan's timing record there, beside {args.output}")
         from harts.compiler.read_trees import read_trees
         t0 = time.perf_counter()
         batch = read_trees(args.trees, vocab_size=args.vocab_size, capacity=args.capacity)

@@ -154,6 +154,9 @@ def atomic_write_files(files: dict) -> None:
     kept: dict[Path, Path | None] = {}      # target -> its earlier file's keeping place (None: it had none)
     created: list[Path] = []                # folders made for the outputs, deepest first per output
     try:
+        targets = [os.path.realpath(check_output_path(path)) for path in files]
+        if len(set(targets)) != len(targets):   # through a link, two outputs would be one file
+            raise OutputError(next(iter(files)), "two of the outputs are the same file", "give each its own file")
         for path, data in files.items():
             fd, tmp, path, made = _temporary_beside(Path(path))
             created = made + created          # later outputs' folders may sit inside earlier ones'

@@ -72,3 +72,10 @@ def test_a_failed_write_removes_the_folders_it_created(tmp_path, monkeypatch):
             out.write(b"partial")
             raise ValueError("the writer failed")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+
+
+def test_two_outputs_that_are_one_file_through_a_link_are_refused(tmp_path):
+    (tmp_path / "b").symlink_to("a")
+    with pytest.raises(OutputError, match="two of the outputs are the same file"):
+        atomic.atomic_write_files({tmp_path / "a": b"1", tmp_path / "b": b"2"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]

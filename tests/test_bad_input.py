@@ -139,6 +139,16 @@ def test_ctrl_c_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, fr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trees.jsonl"]
 
 
+def test_a_sidecar_linked_to_the_plan_is_refused(tmp_path, capsys, unread):
+    """Found by a regression audit: with PLAN.timing.json a link to PLAN, the timing record was written over
+    the plan (outputs are written through links)."""
+    trees = write_trees(tmp_path / "trees.jsonl")
+    timing_path(tmp_path / "p.plan").symlink_to("p.plan")
+    assert hartsc_main([str(trees), "-o", str(tmp_path / "p.plan")]) == 2
+    assert "it leads to the plan file itself" in one_line(capsys, "hartsc: cannot write")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.plan.timing.json", "trees.jsonl"]
+
+
 def test_plan_and_sidecar_are_written_all_or_none(tmp_path, capsys, monkeypatch):
     """A sidecar that cannot be written at write time leaves no plan behind (and no traceback)."""
     import harts.compiler.cli as cli
