@@ -56,7 +56,8 @@ def load_model(model_dir: str, dtype: str = "float32"):
     """Load from local disk only; one clear line when the directory is not a complete model."""
     path = Path(model_dir)
     if not path.is_dir():
-        raise HartsError(f"{model_dir}: no such folder; fix: pass a Hugging Face model directory "
+        what = "not a folder" if path.exists() else "no such folder"
+        raise HartsError(f"{model_dir}: {what}; fix: pass a Hugging Face model directory "
                          "(harts init-model writes one)")
     check_model_type(model_dir)
     if not (path / "config.json").is_file():

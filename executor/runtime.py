@@ -9,6 +9,7 @@ equals one backward over the whole step. It contains no tree logic.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -101,12 +102,13 @@ def trainable_gradients(model) -> dict:
             for name, p in model.named_parameters() if p.requires_grad}
 
 
-MODEL_DTYPES = (torch.float32, torch.bfloat16)
+# float64 fails inside the ops (float32 and bfloat16 are what is tested; float16 runs as before, untested).
+REFUSED_DTYPES = (torch.float64,)
 
 
-def check_call(plan, model, backward: bool, microbatches, loss=LossConfig()) -> None:
-    """One UsageError with a fix for arguments `run_step` cannot run, before any work (rather than a torch
-    error from deep inside the step, or, for repeated microbatch indices, a silently doubled loss)."""
+def check_call(plan, model, backward: bool, loss=LossConfig()) -> None:
+    """One UsageError with a fix for arguments `run_step` cannot run, before any work, rather than a torch
+    error from deep inside the step (microbatch indices: `microbatch_indices`)."""
     if not isinstance(loss, LossConfig):
         raise UsageError(f"loss must be a LossConfig here, got {type(loss).__name__}; fix: "
                          "LossConfig(kind='grpo'), or harts.api.run, which also takes a name or a function")
@@ -117,7 +119,7 @@ def check_call(plan, model, backward: bool, microbatches, loss=LossConfig()) -> 
     if not parameters:
         raise UsageError(f"model must be a Hugging Face model with parameters, got {type(model).__name__}; "
                          "fix: pass e.g. AutoModelForCausalLM.from_pretrained(dir)")
-    dtypes = sorted({str(p.dtype) for p in parameters if p.is_floating_point() and p.dtype not in MODEL_DTYPES})
+    dtypes = sorted({str(p.dtype) for p in parameters if p.dtype in REFUSED_DTYPES})
     if dtypes:
         raise UsageError(f"the model holds {', '.join(dtypes)} parameters; HARTS runs float32 or bfloat16 models; "
                          "fix: model.float() (or .to(torch.bfloat16))")
@@ -127,13 +129,23 @@ def check_call(plan, model, backward: bool, microbatches, loss=LossConfig()) -> 
     if backward and not any(p.requires_grad for p in parameters):
         raise UsageError("no model parameter requires a gradient; fix: unfreeze what should train, or pass "
                          "backward=False")
-    if microbatches is not None:
-        count = len(plan.microbatches)
-        bad = [i for i in microbatches if isinstance(i, bool) or not isinstance(i, (int, np.integer))
-               or not 0 <= i < count]
-        if bad or len(set(microbatches)) != len(microbatches):
-            raise UsageError(f"microbatches must be distinct indices in [0, {count}), got {list(microbatches)!r}; "
-                             "fix: pass each microbatch once (a repeated one would count its loss twice)")
+
+
+def microbatch_indices(plan: Plan, microbatches) -> list[int] | None:
+    """`run_step`'s `microbatches` as a list of ints: any iterable of integers (Python, numpy, torch scalars), each
+    a distinct index of the plan's microbatches; one UsageError otherwise."""
+    if microbatches is None:
+        return None
+    count = len(plan.microbatches)
+    given = list(microbatches)
+    try:
+        indices = [operator.index(i) for i in given if not isinstance(i, bool)]
+    except TypeError:
+        indices = []
+    if len(indices) != len(given) or any(not 0 <= i < count for i in indices) or len(set(indices)) != len(indices):
+        raise UsageError(f"microbatches must be distinct indices in [0, {count}), got {given!r}; "
+                         "fix: pass each microbatch once (a repeated one would count its loss twice)")
+    return indices
 
 
 def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = LossConfig(),
@@ -170,7 +182,8 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     in `StepResult.logprobs`), so the LM head skips the rows of prompts and
     tool outputs. Loss, gradients and MoE statistics are the same either way.
     """
-    check_call(plan, model, backward, microbatches, loss)
+    check_call(plan, model, backward, loss)
+    microbatches = microbatch_indices(plan, microbatches)
     if not hasattr(model, "config") and hasattr(model, "module"):
         raise UsageError(f"the model is wrapped ({type(model).__name__}); fix: pass the Hugging Face model itself "
                          "(model.module): HARTS splits data parallelism by the plan's replicas (torchrun ... harts "

@@ -200,8 +200,8 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
     ids = _check_labels(ids, "ids", len(lengths), unique=True)
     trees = _check_labels(trees, "trees", len(lengths), unique=False)
     if loss_masks is not None:
-        masks = _per_token(_sequence(loss_masks, "loss_masks", "give one 0/1 list per trajectory"), lengths,
-                           "loss_masks", np.float64)
+        loss_masks = _sequence(loss_masks, "loss_masks", "give one 0/1 list per trajectory")
+        masks = _per_token(loss_masks, lengths, "loss_masks", np.float64)
         for i, m in enumerate(masks):
             if np.any((m != 0) & (m != 1)):
                 raise ValueError(f"trajectory {i}: loss_masks hold a value other than 0 and 1; fix: give 0/1 per token")
@@ -226,6 +226,8 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
     unread = [never_read(batch.loss_mask[start:end], end - start)
               for start, end in zip(batch.token_offsets[:-1].tolist(), batch.token_offsets[1:].tolist())]
     for name, values in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+        if values is not None:
+            values = _sequence(values, name, "give one list per trajectory (None for one that has none)")
         flat = _flat(values, lengths, name, unread)
         given = None if values is None else np.array([v is not None for v in values], dtype=bool)
         if flat is not None and given.any():   # None for every trajectory: as if not given at all

@@ -209,5 +209,6 @@ def _keep_earlier(path: Path) -> Path | None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(keep)
         raise OutputError(path, f"cannot keep the earlier file while replacing it ({_reason(err)})",
-                          "check that the folder is writable") from err
+                          "free disk space (without hard links, replacing a file needs room for a copy of the "
+                          "earlier one) and check that the folder is writable") from err
     return keep

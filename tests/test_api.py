@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import harts.api as api
+from harts.schema.plan import encode_plan
 from harts.schema.errors import PlanFormatError
 
 TOKENS = [[1, 2, 3], [1, 2, 4]]
@@ -86,6 +87,10 @@ def test_ids_and_trees_give_the_plan_hartsc_writes(tmp_path):
 def test_generators_are_taken_as_sequences():
     plan = api.compile_trajectories((t for t in TOKENS), ids=(i for i in "xy"))
     assert plan.step["ids"] == ["x", "y"]
+    lists = api.compile_trajectories(TOKENS, loss_masks=[[0, 1, 1]] * 2, old_logprobs=[[0.0, -1.0, -1.0]] * 2)
+    made = api.compile_trajectories(TOKENS, loss_masks=(m for m in [[0, 1, 1]] * 2),
+                                    old_logprobs=(v for v in [[0.0, -1.0, -1.0]] * 2))
+    assert encode_plan(made) == encode_plan(lists)
 
 
 def test_good_batch_compiles():
@@ -183,3 +188,18 @@ def test_run_arguments_it_cannot_run_are_usage_errors(tiny_model, case, words):
 def test_numpy_string_ids_are_strings():
     plan = api.compile_trajectories(TOKENS, ids=[np.str_("a"), "b"])
     assert plan.step["ids"] == ["a", "b"] and type(plan.step["ids"][0]) is str
+
+
+def test_microbatches_may_be_any_iterable_of_integers(tiny_model):
+    """Found by a regression audit: torch integer tensors and generators, accepted before the argument checks,
+    were refused by them."""
+    from harts.executor.runtime import run_step
+    plan = api.compile_trajectories(TOKENS)
+    want = run_step(plan, tiny_model, backward=False, microbatches=[0]).loss
+    for given in (torch.tensor([0]), (i for i in [0]), np.array([0], dtype=np.int32)):
+        assert run_step(plan, tiny_model, backward=False, microbatches=given).loss == want
+
+
+def test_float16_models_still_run(tiny_model):
+    result = api.run(api.compile_trajectories(TOKENS), copy.deepcopy(tiny_model).half(), backward=False)
+    assert np.isfinite(result.loss)

@@ -400,9 +400,9 @@ def test_demo_replaces_only_a_model_it_wrote(workspace, tmp_path, capsys, monkey
     shutil.copytree(workspace / "model", tmp_path / "model")
     before = {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir()}
     assert harts(["demo", "--out", str(tmp_path)]) == 2
-    assert "holds a model an earlier demo did not write" in one_line(capsys)
+    assert "holds a model no .harts-demo beside it lists as the demo's" in one_line(capsys)
     assert {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir()} == before
-    (tmp_path / demo.DEMO_MARK).write_text("")
+    demo.mark_outputs(tmp_path, with_model=True)
     monkeypatch.setattr(demo, "run_model", lambda *args: 0)     # what is checked is the refusal, not the run
     assert harts(["demo", "--out", str(tmp_path)]) == 0
 
@@ -428,8 +428,20 @@ def test_demo_keeps_a_users_file_under_its_output_names(tmp_path, capsys, name):
     """Found by a docs audit: `harts demo --no-model --out DIR` replaced DIR's own trees.jsonl and step.plan."""
     (tmp_path / name).write_text("mine")
     assert harts(["demo", "--out", str(tmp_path), "--no-model"]) == 2
-    assert "an earlier demo did not write it" in one_line(capsys)
+    assert "no .harts-demo beside it lists it as a demo output" in one_line(capsys)
     assert sorted(os.listdir(tmp_path)) == [name] and (tmp_path / name).read_text() == "mine"
     (tmp_path / name).unlink()
     assert harts(["demo", "--out", str(tmp_path), "--no-model"]) == 0
     assert harts(["demo", "--out", str(tmp_path), "--no-model"]) == 0     # its own outputs: replaced
+
+
+
+def test_a_demo_without_its_model_does_not_claim_the_folders_model(workspace, tmp_path, capsys):
+    """Found by a regression audit: `harts demo --no-model` wrote its mark, and the next full demo then
+    replaced the user's checkpoint in model/."""
+    shutil.copytree(workspace / "model", tmp_path / "model")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir()}
+    assert harts(["demo", "--out", str(tmp_path), "--no-model"]) == 0
+    assert harts(["demo", "--out", str(tmp_path)]) == 2
+    assert "holds a model no .harts-demo beside it lists" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "model").iterdir()} == before

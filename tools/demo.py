@@ -37,9 +37,10 @@ DEMO_CAPACITY = 2048
 # Rollouts stop at the microbatch capacity, so every trajectory fits one microbatch whatever --seed draws
 # (at 4,096 about half the seeds drew a longer one and the compile step failed).
 DEMO_WORKLOAD["context_limit"] = DEMO_CAPACITY
-# Written into --out before the demo writes its outputs there: only beside this mark are trees.jsonl,
-# step.plan and model/ the demo's to replace; without it, such files are someone's, and refused.
+# Written into --out before the demo writes its outputs there, listing them: only the outputs it lists are
+# the demo's to replace; anything else under those names is someone's, and refused.
 DEMO_MARK = ".harts-demo"
+DEMO_OUTPUTS = ("trees.jsonl", "step.plan", "model")
 
 
 def prepare_out(out: str | None) -> Path:
@@ -61,14 +62,23 @@ def prepare_out(out: str | None) -> Path:
     return folder
 
 
+def demo_owned(out: Path) -> set[str]:
+    """The outputs in `out` that an earlier demo wrote, as its mark lists them (none without a mark)."""
+    try:
+        return set((out / DEMO_MARK).read_text().split("\n")[1:]) & set(DEMO_OUTPUTS)
+    except OSError:
+        return set()
+
+
 def check_outputs(out: Path, with_model: bool) -> tuple[Path, Path, Path]:
     """The demo's three outputs, each checked before any work: trees.jsonl, step.plan, model/.
 
-    Outputs of an earlier demo run in the same folder (the folder then holds
-    `DEMO_MARK`) are replaced. Without the mark an existing trees.jsonl or
-    step.plan, or a non-empty model/ (one `harts init-model` wrote, or a
+    An output an earlier demo wrote in the same folder (listed in the
+    folder's `DEMO_MARK`) is replaced. Any other existing trees.jsonl or
+    step.plan, or non-empty model/ (one `harts init-model` wrote, or a
     checkpoint saved with `save_pretrained`, even with only the files a demo
-    writes), is refused.
+    writes), is refused; a demo folder of an earlier HARTS, which wrote no
+    mark, is refused the same way.
     """
     from harts.executor.models.init_model import check_model_dir
     from harts.schema.atomic import check_output_path
@@ -76,16 +86,24 @@ def check_outputs(out: Path, with_model: bool) -> tuple[Path, Path, Path]:
     trees, plan_path, model_dir = out / "trees.jsonl", out / "step.plan", out / "model"
     check_output_path(trees)
     check_output_path(plan_path)
-    if not (out / DEMO_MARK).is_file():
-        for path in (trees, plan_path):
-            if path.exists():
-                raise OutputError(path, "an earlier demo did not write it", "give --out a new folder, or move it away")
-        if with_model and model_dir.is_dir() and any(model_dir.iterdir()):
-            raise OutputError(model_dir, "it holds a model an earlier demo did not write",
-                              "give --out a new folder, or move that model away")
+    owned = demo_owned(out)
+    for path in (trees, plan_path):
+        if path.exists() and path.name not in owned:
+            raise OutputError(path, f"no {DEMO_MARK} beside it lists it as a demo output",
+                              "give --out a new folder, or move it away")
+    if with_model and model_dir.is_dir() and any(model_dir.iterdir()) and "model" not in owned:
+        raise OutputError(model_dir, f"it holds a model no {DEMO_MARK} beside it lists as the demo's",
+                          "give --out a new folder, or move that model away")
     if with_model:
         check_model_dir(model_dir, replace=True)
     return trees, plan_path, model_dir
+
+
+def mark_outputs(out: Path, with_model: bool) -> None:
+    """List, before writing them, the outputs this run owns: its own, and a model/ an earlier demo wrote."""
+    owned = {"trees.jsonl", "step.plan"} | ({"model"} if with_model else demo_owned(out) & {"model"})
+    (out / DEMO_MARK).write_text("harts demo wrote these here and replaces them when run again with this --out:\n"
+                                 + "\n".join(name for name in DEMO_OUTPUTS if name in owned))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             check_arguments("kimi_linear", "tiny", DEMO_VOCAB, args.seed)
         out = prepare_out(args.out)
         trees, plan_path, model_dir = check_outputs(out, not args.no_model)
-        (out / DEMO_MARK).write_text("trees.jsonl, step.plan and model/ here were written by harts demo, "
-                                     "which replaces them when run again with this --out\n")
+        mark_outputs(out, not args.no_model)
         gen.write_jsonl(gen.generate(config), trees)
         for name, run, step_argv in (
             ("compile", hartsc.main, [str(trees), "-o", str(plan_path), "--vocab-size", str(DEMO_VOCAB),
