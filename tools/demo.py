@@ -27,16 +27,15 @@ from harts.schema.atomic import check_can_create_under
 from harts.schema.errors import HartsError, OutputError
 from harts.tools import check, gen
 
-# Small enough that the expanded baseline runs in seconds on two CPU cores,
-# shaped like an agent rollout: a shared system prompt, a task, tool turns.
-DEMO_WORKLOAD = dict(tasks=1, group_size=4, system_prompt_tokens=512, task_tokens_min=96, task_tokens_max=192,
-                     turns_min=4, turns_max=6, action_tokens_median=40.0, tool_tokens_median=120.0,
-                     tool_tokens_max=512)
 DEMO_VOCAB = 4096
 DEMO_CAPACITY = 2048
+# Small enough that the expanded baseline runs in seconds on two CPU cores,
+# shaped like an agent rollout: a shared system prompt, a task, tool turns.
 # Rollouts stop at the microbatch capacity, so every trajectory fits one microbatch whatever --seed draws
 # (at 4,096 about half the seeds drew a longer one and the compile step failed).
-DEMO_WORKLOAD["context_limit"] = DEMO_CAPACITY
+DEMO_WORKLOAD = dict(tasks=1, group_size=4, system_prompt_tokens=512, task_tokens_min=96, task_tokens_max=192,
+                     turns_min=4, turns_max=6, action_tokens_median=40.0, tool_tokens_median=120.0,
+                     tool_tokens_max=512, context_limit=DEMO_CAPACITY)
 # Written into --out before the demo writes its outputs there, listing them: only the outputs it lists are
 # the demo's to replace; anything else under those names is someone's, and refused.
 DEMO_MARK = ".harts-demo"
