@@ -164,6 +164,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    kinds = args.kinds.split(",")
+    unknown = [k for k in kinds if k not in gen.KINDS]
+    if unknown:
+        parser.error(f"--kinds: unknown kind {unknown[0]!r}; choose from {','.join(gen.KINDS)}")
+    try:
+        dps = [int(d) for d in args.dp.split(",")]
+    except ValueError:
+        dps = []
+    if not dps or min(dps) < 1:
+        parser.error(f"--dp: give comma-separated integers >= 1, e.g. 2,4,8, got {args.dp!r}")
 
     header = (f"{'workload':<9} {'D':>2} {'planner':<7} {'compr':>7} {'decoder':>10} {'vs L1':>7} {'balance':>8} "
               f"{'cost bal':>8} {'P5':>7} {'cost P5':>7} {'step-tot':>8} {'slots':>5} {'win':>4} {'plan s':>7}")
@@ -172,8 +182,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     verdicts = []
-    dps = [int(d) for d in args.dp.split(",")]
-    for kind in args.kinds.split(","):
+    for kind in kinds:
         per_step: dict[tuple[int, str], list[dict]] = {}
         for seed in range(args.steps):
             batch = build_batch(args.preset, kind, args.system_prompt_tokens, seed)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -14,7 +13,7 @@ from harts.progress import terminal_progress
 from harts.text import plural
 from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
 from harts.schema.errors import HartsError, OutputError
-from harts.schema.atomic import atomic_write_files, check_output_path
+from harts.schema.atomic import atomic_write_files, check_output_path, refuse_one_file
 from harts.schema.plan import encode_plan
 from harts.schema.summary import plan_statistics
 from harts.schema.timing import plan_digest, timing_path
@@ -109,9 +108,8 @@ def _compile(argv: list[str] | None) -> int:
         except OutputError as err:   # its name follows the plan's: the fix is to clear that path, not rename
             raise OutputError(err.path, err.problem, f"move it away: hartsc writes the plan's timing record "
                                                      f"there, beside {args.output}") from None
-        if os.path.realpath(sidecar) == os.path.realpath(output):   # a link from one name to the other
-            raise OutputError(timing_path(args.output), "it leads to the plan file itself",
-                              f"move it away: hartsc writes the plan's timing record there, beside {args.output}")
+        refuse_one_file([(args.output, output), (timing_path(args.output), sidecar)], "it leads to the plan file itself",
+                        f"move it away: hartsc writes the plan's timing record there, beside {args.output}")
         from harts.compiler.read_trees import read_trees
         t0 = time.perf_counter()
         batch = read_trees(args.trees, vocab_size=args.vocab_size, capacity=args.capacity)

@@ -20,8 +20,8 @@ from harts.executor.losses import LOGPROB_POSITIONS, LOSSES, REDUCTIONS, LossCon
 from harts.executor.models.registry import runner_class
 from harts.executor.ops.linear_attention.backend import select_backend
 from harts.progress import quiet_library_progress, terminal_progress
-from harts.schema.atomic import atomic_write_files, check_output_path
-from harts.schema.errors import HartsError, OutputError, UsageError
+from harts.schema.atomic import atomic_write_files, check_output_path, refuse_one_file
+from harts.schema.errors import HartsError, UsageError
 from harts.schema.plan import read_plan
 from harts.schema.plan_invariants import require_valid_plan
 
@@ -127,14 +127,9 @@ def check_outputs(plan: str, model_dir: str, outputs: list[str]) -> None:
         model_files = [f for f in Path(model_dir).iterdir() if f.is_file()]
     except OSError:     # no such folder, or unreadable: load_model reports it in its own words
         model_files = []
-    seen: set[str] = set()
-    for path in outputs:
-        # The file each would replace: a symlink is written through, so a link and its target are one file.
-        key = os.path.realpath(check_output_path(path, inputs=(plan, *model_files)))
-        if key in seen:
-            raise OutputError(path, "--logprobs-out and --grads-out name the same file",
-                              "give each output its own file name")
-        seen.add(key)
+    # A symlink is written through, so a link and its target are one file.
+    targets = [(path, check_output_path(path, inputs=(plan, *model_files))) for path in outputs]
+    refuse_one_file(targets, "--logprobs-out and --grads-out name the same file", "give each output its own file name")
 
 
 def logprobs_bytes(logprobs: dict) -> bytes:

@@ -67,6 +67,21 @@ def check_output_path(path: str | os.PathLike, *, inputs=()) -> Path:
     return target
 
 
+def refuse_one_file(targets, problem: str, fix: str) -> None:
+    """Refuse (an OutputError about the later path) two outputs that would write one file.
+
+    `targets` holds (output path as given, the target `check_output_path`
+    returned for it) pairs; one path given twice, a link and its target, or two
+    spellings of one path are one file, and the second write would replace the first.
+    """
+    seen: set[str] = set()
+    for given, target in targets:
+        key = os.path.realpath(target)
+        if key in seen:
+            raise OutputError(given, problem, fix)
+        seen.add(key)
+
+
 def check_can_create_under(label: str, folder: Path) -> None:
     """Refuse (OutputError about `label`) a folder whose nearest existing ancestor, itself included,
     is a file or a folder this process cannot write: nothing could be created below it."""
@@ -79,9 +94,8 @@ def check_can_create_under(label: str, folder: Path) -> None:
 
 
 def _temporary_beside(path: Path):
-    """Create the parent folders and an exclusive temporary file next to the file `path` names (a link's
-    target); (fd, temp path, the path to rename it to, the folders created, deepest first)."""
-    path = check_output_path(path)
+    """Create the parent folders and an exclusive temporary file next to `path`, a target
+    `check_output_path` returned; (fd, temp path, path, the folders created, deepest first)."""
     created = []
     folder = path.parent
     while not folder.exists() and folder != folder.parent:
@@ -115,7 +129,7 @@ def atomic_output(path: str | os.PathLike):
     Failures of creating, syncing or renaming the file raise `OutputError`;
     an exception raised by the caller's writing passes through unchanged.
     """
-    fd, tmp, path, created = _temporary_beside(Path(path))
+    fd, tmp, path, created = _temporary_beside(check_output_path(path))
     try:
         with os.fdopen(fd, "wb") as out:
             yield out
@@ -154,11 +168,10 @@ def atomic_write_files(files: dict) -> None:
     kept: dict[Path, Path | None] = {}      # target -> its earlier file's keeping place (None: it had none)
     created: list[Path] = []                # folders made for the outputs, deepest first per output
     try:
-        targets = [os.path.realpath(check_output_path(path)) for path in files]
-        if len(set(targets)) != len(targets):   # through a link, two outputs would be one file
-            raise OutputError(next(iter(files)), "two of the outputs are the same file", "give each its own file")
+        targets = {path: check_output_path(path) for path in files}
+        refuse_one_file(targets.items(), "two of the outputs are the same file", "give each its own file")
         for path, data in files.items():
-            fd, tmp, path, made = _temporary_beside(Path(path))
+            fd, tmp, path, made = _temporary_beside(targets[path])
             created = made + created          # later outputs' folders may sit inside earlier ones'
             staged.append((path, tmp))
             try:

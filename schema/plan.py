@@ -206,6 +206,12 @@ def decode_plan(data: bytes, source: str = "<plan>") -> Plan:
 
 def read_plan(path: str | os.PathLike) -> Plan:
     """Load a plan file: `decode_plan`, then `validate_plan`; any problem is one `PlanFormatError` line."""
+    return read_plan_and_bytes(path)[0]
+
+
+def read_plan_and_bytes(path: str | os.PathLike) -> tuple[Plan, bytes]:
+    """`read_plan`, with the file's bytes: what a digest of the plan must be taken of (one read, so a
+    plan replaced meanwhile cannot pair one file's digest with another's contents)."""
     source = str(path)
     try:
         data = Path(path).read_bytes()
@@ -213,4 +219,4 @@ def read_plan(path: str | os.PathLike) -> Plan:
         raise PlanFormatError(f"{source}: cannot read plan ({err.strerror}); fix: check the path") from None
     plan = decode_plan(data, source)
     validate_plan(plan, source)
-    return plan
+    return plan, data

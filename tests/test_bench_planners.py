@@ -58,3 +58,13 @@ def test_script_prints_a_row_per_planner_and_step_count():
                          capture_output=True, text=True, check=True).stdout
     rows = [line.split() for line in out.splitlines() if line.startswith("stepwise")]
     assert [row[2] for row in rows] == ["L1", "L1+L2"]
+
+
+@pytest.mark.parametrize("flags, words", [(["--kinds", "tree-step"], "unknown kind 'tree-step'"),
+                                          (["--dp", "2,x"], "--dp: give comma-separated integers"),
+                                          (["--dp", "0"], "--dp: give comma-separated integers")])
+def test_bad_lists_are_one_usage_line(flags, words):
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_planners.py"), *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and words in done.stderr.splitlines()[-1]

@@ -7,15 +7,15 @@ import sys
 from pathlib import Path
 
 from harts.schema.errors import HartsError
-from harts.schema.plan import read_plan
+from harts.schema.plan import read_plan_and_bytes
 from harts.schema.summary import plan_statistics
 from harts.schema.timing import plan_digest, timing_path
 
 
-def read_planning_seconds(plan_path: str) -> tuple[float | None, str]:
+def read_planning_seconds(plan_path: str, plan_bytes: bytes) -> tuple[float | None, str]:
     """hartsc records timing beside the plan (`PLAN.timing.json`) to keep the plan deterministic.
 
-    Returns (seconds, "") or (None, why there is no usable number: missing,
+    `plan_bytes` is the plan file's contents as read (`read_plan_and_bytes`). Returns (seconds, "") or (None, why there is no usable number: missing,
     unreadable, malformed, or recorded for other plan bytes: a record whose
     `plan_sha256` differs belongs to a plan since overwritten, e.g. by
     `harts.api.write_plan`, which writes no timing. Records without the
@@ -38,11 +38,7 @@ def read_planning_seconds(plan_path: str) -> tuple[float | None, str]:
         return None, f"{sidecar.name} holds no planning_seconds >= 0 (not hartsc's timing record)"
     digest = record.get("plan_sha256")
     if digest is not None:
-        try:
-            current = plan_digest(path.read_bytes())
-        except OSError as err:
-            return None, f"cannot read {path.name} ({err.strerror or err})"
-        if digest != current:
+        if digest != plan_digest(plan_bytes):
             return None, f"{sidecar.name} was written for other plan bytes (the plan was replaced since)"
     return float(seconds), ""
 
@@ -62,11 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object (every key is a number)")
     args = parser.parse_args(argv)
     try:
-        plan = read_plan(args.plan)
+        plan, plan_bytes = read_plan_and_bytes(args.plan)
     except HartsError as err:
         print(f"harts stats: {err}", file=sys.stderr)
         return err.exit_code
-    seconds, why = read_planning_seconds(args.plan)
+    seconds, why = read_planning_seconds(args.plan, plan_bytes)
     stats = plan_statistics(plan, seconds if seconds is not None else 0.0)
     if seconds is None:
         # The contract's keys are all numbers: 0 stands for "unknown", and this line says so.

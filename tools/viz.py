@@ -33,7 +33,7 @@ import numpy as np
 
 from harts.schema.errors import HartsError
 from harts.schema.atomic import atomic_write_bytes, check_output_path
-from harts.schema.plan import Plan, read_plan
+from harts.schema.plan import Plan, read_plan_and_bytes
 from harts.schema.plan_invariants import require_valid_plan
 from harts.schema.summary import plan_statistics
 from harts.tools.stats import read_planning_seconds
@@ -330,9 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Before the plan is read: a bad -o (a folder, the plan itself) costs nothing.
         output = check_output_path(args.output, inputs=[args.plan])
-        plan = read_plan(args.plan)
+        plan, plan_bytes = read_plan_and_bytes(args.plan)
         require_valid_plan(args.plan, plan)   # the plots index the plan's tables
-        page = render_report(plan, Path(args.plan).name, args.tree, read_planning_seconds(args.plan)[0])
+        page = render_report(plan, Path(args.plan).name, args.tree, read_planning_seconds(args.plan, plan_bytes)[0])
         atomic_write_bytes(output, page.encode("utf-8"))
     except HartsError as err:
         print(f"harts viz: {err}", file=sys.stderr)
