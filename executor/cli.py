@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from harts.executor import distributed
 
-    primary = True
+    primary, joined = True, False
     try:
         loss = loss_config(args)
         # Every input check comes before the model loads and the step runs: a
@@ -351,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         if distributed.launched_by_torchrun():
             group = distributed.init_data_parallel(int(plan.flags["dp"]), device)
             selected, primary = distributed.microbatches_of_replica(plan, group.rank), group.is_primary
+            joined = True
         model = model.to(device)
         backend = model_backend(device, plan, model)   # now knowing the family's gate (a defect may rule fla out)
         if primary and backend == "fla":
@@ -368,7 +369,13 @@ def main(argv: list[str] | None = None) -> int:
         if selected is not None:
             distributed.finish_data_parallel()
     except HartsError as err:   # input, output and usage errors (UsageError: ppo without old_logprobs, a bad flag)
-        print(f"harts run: {err}", file=sys.stderr)
+        rank = distributed.launch_rank() if distributed.launched_by_torchrun() else 0
+        # Before the process group, every rank checks the same plan and flags and meets the same
+        # refusal: rank 0 alone prints it, rather than one copy per process.
+        if rank == 0:
+            print(f"harts run: {err}", file=sys.stderr)
+        elif joined:
+            print(f"harts run: rank {rank}: {err}", file=sys.stderr)
         return err.exit_code
     if not primary:
         return 0

@@ -41,6 +41,14 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+def launch_rank() -> int:
+    """This process's rank as its launcher set it (RANK; 0 without one), known before any process group."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def check_world_size(plan_dp: int) -> None:
     """One process per replica of the plan; checked from torchrun's environment, before the model loads."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

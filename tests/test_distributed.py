@@ -105,3 +105,12 @@ def test_one_process_under_torchrun_refuses_a_two_replica_plan(tmp_path):
     out = torchrun(1, ["harts", "run", str(tmp_path / "step.plan"), "--model", str(tmp_path / "model")])
     assert out.returncode != 0
     assert "compiled for --dp 2 but torchrun started 1 process;" in out.stderr
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
+def test_a_refused_input_is_printed_once_not_once_per_rank(tmp_path):
+    """Every rank meets the same refusal before the process group: rank 0 alone prints it."""
+    out = torchrun(2, ["harts", "run", str(tmp_path / "missing.plan"), "--model", str(tmp_path / "model")])
+    assert out.returncode != 0
+    assert out.stderr.count("harts run: ") == 1, out.stderr
+    assert "missing.plan: cannot read plan" in out.stderr
