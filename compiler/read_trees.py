@@ -39,6 +39,7 @@ element, to name the first offending index. See `benchmarks/bench_read.py`.
 from __future__ import annotations
 
 import array as pyarray
+import io
 import json
 import math
 import os
@@ -173,7 +174,9 @@ def _open_lines(source: str) -> tuple[bool, Iterator[tuple[int, bytes]]]:
     """Open `source` and tell its format from its first bytes: (compressed, its numbered lines).
 
     The first bytes are peeked at through the file's buffer, not consumed, so
-    a pipe (`/dev/stdin`, `<(zstd -c ...)`) is recognised as well as a file.
+    a pipe (`/dev/stdin`, `<(zstd -c ...)`) is recognised as well as a file;
+    should a pipe's first write be shorter than that, they are read and handed
+    back in front of the rest (`_HeadFirst`).
     zstd: the name ends in .zst (any case; then anything else is a corrupted
     stream) or the bytes start with a zstd frame's magic number. A gzip
     stream and a HARTS plan are refused by name rather than parsed as
@@ -185,6 +188,9 @@ def _open_lines(source: str) -> tuple[bool, Iterator[tuple[int, bytes]]]:
         raise _read_error(source, err) from None
     try:
         head = file.peek(len(PLAN_MAGIC))[:len(PLAN_MAGIC)]
+        if len(head) < len(PLAN_MAGIC):   # a peek returns one read's bytes: a pipe may have sent fewer yet
+            head = file.read(len(PLAN_MAGIC))
+            file = io.BufferedReader(_HeadFirst(head, file))
     except OSError as err:
         file.close()
         raise _read_error(source, err) from None
@@ -199,6 +205,30 @@ def _open_lines(source: str) -> tuple[bool, Iterator[tuple[int, bytes]]]:
         file.close()
         raise InputError(source, None, None, *refusal)
     return compressed, _numbered_lines(file, source, compressed)
+
+
+class _HeadFirst(io.RawIOBase):
+    """A stream that gives `head`, bytes already read from the open file `rest`, and then the rest of it."""
+
+    def __init__(self, head: bytes, rest):
+        super().__init__()
+        self._head = head
+        self._rest = rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if self._head:
+            count = min(len(buffer), len(self._head))
+            buffer[:count] = self._head[:count]
+            self._head = self._head[count:]
+            return count
+        return self._rest.readinto1(buffer)
+
+    def close(self) -> None:
+        self._rest.close()
+        super().close()
 
 
 def _read_error(source: str, err: OSError) -> InputError:

@@ -13,6 +13,7 @@ import gzip
 import json
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -260,11 +261,13 @@ def test_zstd_is_recognised_by_its_magic_number_whatever_the_name(tmp_path, name
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+@pytest.mark.parametrize("first_write", [None, 1, 3])
 @pytest.mark.parametrize("compressed", [False, True])
-def test_a_pipe_is_read_whole(tmp_path, compressed):
+def test_a_pipe_is_read_whole(tmp_path, compressed, first_write):
     # `hartsc /dev/stdin` or `hartsc <(zstd -c ...)`: the first bytes are peeked at through the buffer, so a pipe
     # keeps them and a zstd stream in a pipe is recognised (reopening a drained pipe would wait for a writer
-    # forever, hence the reader's own thread).
+    # forever, hence the reader's own thread). A writer may send the first bytes alone (`first_write`): the
+    # reader then reads the magic numbers' length before telling zstd from JSON.
     lines = [GOOD, '{"id": "b", "tokens": [4, 5, 6, 7]}']
     data = ("\n".join(lines) + "\n").encode()
     fifo = tmp_path / "pipe"
@@ -278,7 +281,11 @@ def test_a_pipe_is_read_whole(tmp_path, compressed):
             result["error"] = err
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    fifo.write_bytes(zstandard.ZstdCompressor().compress(data) if compressed else data)
+    sent = zstandard.ZstdCompressor().compress(data) if compressed else data
+    with open(fifo, "wb", buffering=0) as writer:
+        for piece in (sent,) if first_write is None else (sent[:first_write], sent[first_write:]):
+            writer.write(piece)
+            time.sleep(0.05)   # the reader's first read returns the first piece alone
     reader.join(timeout=30)
     if reader.is_alive():
         fifo.write_text("")   # let the stuck reader finish
