@@ -394,3 +394,15 @@ def test_verify_partition_names_the_broken_invariant(invariant, breaks):
     with pytest.raises(VerificationError) as err:
         verify_partition(lengths, lcp, breaks(good), capacity, 2)
     assert err.value.invariant == invariant
+
+
+def test_a_refusal_counts_the_greedy_plans_and_suggests_dps_that_work():
+    """Sorted order needs 7 groups here, the greedy plans 6 (the 2-token trajectories pair up): dp 4 has no
+    multiple in [6, 7], and every dp the message suggests then plans (found by a compiler fuzzer: the
+    message said 'at least 7 are needed' and left out 2, 3 and 6)."""
+    sequences = [[first, 9, 9] if first % 2 else [first, 9] for first in range(1, 8)]
+    lengths, lcp = lengths_and_lcp(sequences)
+    with pytest.raises(PassFailedError, match=r"the fewest found is 6, .* between 6 and 7, e\.g\. 1 or 2 or 3 or 6$"):
+        partition_microbatches(lengths, lcp, capacity=4, dp=4)
+    for dp in (1, 2, 3, 6):
+        assert len(partition_microbatches(lengths, lcp, capacity=4, dp=dp).members) % dp == 0

@@ -88,6 +88,29 @@ def _check_arguments(model: PrefixCostModel, capacity: int, dp: int, options: L1
     check_step_fits(model, capacity, dp, PASS_NAME)
 
 
+def _no_aligned_partition(model: PrefixCostModel, capacity: int, dp: int, options: L1Options,
+                          natural_count: int) -> PassFailedError:
+    """The refusal when no candidate has a multiple of dp microbatches, with the dps that would work.
+
+    The fewest microbatches known is the natural partition's or, fewer where
+    it finds one, a greedy plan's (trajectories out of sorted order). Every
+    count from there up to N is reachable by splitting groups (a part of a
+    group fits whenever the group does), so the dps with a multiple in that
+    range work.
+    """
+    n = model.num_trajectories
+    fewest = natural_count
+    if options.greedy and n:    # with dp 1 every greedy plan is aligned: their counts before alignment
+        fewest = min([fewest, *(len(plan.work) for plan in greedy_candidates(model, capacity, 1))])
+    working = [d for d in range(1, n + 1) if -(-fewest // d) * d <= n]
+    nearest = sorted(sorted(working, key=lambda d: (abs(d - dp), d))[:4])
+    return PassFailedError(PASS_NAME, f"no partition of {n} trajectories into a multiple of {dp} non-empty "
+                                      f"microbatches fits capacity {capacity} (the fewest found is {fewest}, "
+                                      f"and at most {n} can be non-empty)",
+                           f"raise the capacity, or use a dp with a multiple between {fewest} and {n}, "
+                           f"e.g. {' or '.join(map(str, nearest))}")
+
+
 def partition_microbatches(lengths, lcp, *, capacity: int, dp: int, options: L1Options = L1Options()) -> L1Partition:
     """Run L1: pick the candidate partition with the least J_init and place it on the grid.
 
@@ -136,15 +159,7 @@ def partition_microbatches(lengths, lcp, *, capacity: int, dp: int, options: L1O
             decisions.append("greedy: no plan could be aligned to a multiple of dp")
 
     if not candidates:
-        # Any count K in [len(natural), n] is reachable by splitting contiguous groups (a sub-run of a
-        # group fits whenever the group does), so exactly the dps with a multiple there work.
-        working = [d for d in range(1, n + 1) if -(-len(natural) // d) * d <= n]
-        nearest = sorted(sorted(working, key=lambda d: (abs(d - dp), d))[:4])
-        raise PassFailedError(PASS_NAME, f"no partition of {n} trajectories into a multiple of {dp} non-empty "
-                                         f"microbatches fits capacity {capacity} (at least {len(natural)} "
-                                         f"microbatches are needed, at most {n} can be non-empty)",
-                              f"raise the capacity, or use a dp with a multiple between {len(natural)} and {n}, "
-                              f"e.g. {' or '.join(map(str, nearest))}")
+        raise _no_aligned_partition(model, capacity, dp, options, len(natural))
 
     best = None
     for index, candidate in enumerate(candidates):
