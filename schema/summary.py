@@ -14,6 +14,7 @@ producers (computations whose maximum is 0 are skipped); `step_total_balance`
 is mean/max over replicas of each replica's total r + p. `cost_balance` and
 `cost_balance_p5` are the same with r and p in L2's cost model
 (`harts.schema.cost_model`) instead of rows, recounted from the plan's rows.
+`producers` counts the (window, replica) cells with p[d, h] > 0.
 """
 from __future__ import annotations
 
@@ -163,4 +164,7 @@ def plan_statistics(plan: Plan, planning_seconds: float = 0.0, grids: tuple | No
         # Balance in L2's cost model (forward + backward, attention pairs included), what placement levels.
         "cost_balance": balance(*costs),
         "cost_balance_p5": balance_percentile(*costs),
+        # `windows` counts slot groups, even one whose producers cache nothing (no row two of its
+        # consumers on one replica share): this counts the (window, replica) producers that compute rows.
+        "producers": int(np.count_nonzero(producers)),
     }

@@ -88,7 +88,9 @@ def brute_force_statistics(plan) -> dict:
         cost["window", int(producer["window"])][int(producer["replica"])] += c
     balance, p5, step_total = _balances(list(rows.values()))
     cost_balance, cost_p5, _ = _balances(list(cost.values()))
+    producers = sum(1 for key, per_replica in rows.items() if key[0] == "window" for n in per_replica if n)
     return {"decoder_tokens": sum(sum(c) for c in rows.values()), "slots": slots, "windows": windows,
+            "producers": producers,
             "balance": balance, "balance_p5": p5, "step_total_balance": step_total,
             "cost_balance": cost_balance, "cost_balance_p5": cost_p5}
 
