@@ -224,8 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip-low", type=float, help="grpo/ppo: ratio clipped below at 1 - this (default 0.2)")
     p.add_argument("--clip-high", type=float, help="grpo/ppo: ratio clipped above at 1 + this (default 0.2)")
     p.add_argument("--kl-coef", type=float, help="grpo/ppo: weight of the k3 KL to ref_logprobs (default 0)")
-    p.add_argument("--moe-aux-coef", type=float, default=0.0, help="weight of the MoE load-balancing loss (default 0: reported only)")
-    p.add_argument("--moe-z-coef", type=float, default=0.0, help="weight of the router z-loss (default 0: reported only)")
+    p.add_argument("--moe-aux-coef", type=float, default=0.0,
+                   help="weight of the MoE load-balancing loss, averaged over the step's microbatches as Megatron "
+                        "does (default 0: reported only)")
+    p.add_argument("--moe-z-coef", type=float, default=0.0,
+                   help="weight of the router z-loss, averaged likewise (default 0: reported only)")
     p.add_argument("--entropy-coef", type=float, default=0.0,
                    help="weight of the entropy bonus: subtract this x the trained positions' entropy, reduced as the "
                         "loss is (default 0: off); the entropy is then reported")

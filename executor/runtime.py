@@ -37,8 +37,8 @@ class StepResult:
     objective: float                   # what was differentiated: loss + MoE terms - entropy_coef x entropy
     grads: dict                        # parameter name -> its .grad, trainable ones (empty without backward)
     moe_load: dict                     # layer -> float64[E] occurrence-weighted expert loads
-    moe_aux_loss: float
-    moe_z_loss: float
+    moe_aux_loss: float                # mean over the step's microbatches (`moe_units`), summed over MoE layers
+    moe_z_loss: float                  # likewise
     seconds: float
     rows: int                          # decoder rows run (over all microbatches and window producers)
     microbatch_seconds: list = field(default_factory=list)   # host time; on a GPU, until its kernels are queued
@@ -148,6 +148,20 @@ def microbatch_indices(plan: Plan, microbatches) -> list[int] | None:
     return indices
 
 
+def moe_units(plan: Plan, offsets: np.ndarray, mode: str, pack_expanded: bool) -> int:
+    """The step's forward units (plan microbatches; expanded and packed: their groups), all replicas'.
+
+    Each unit's MoE auxiliary and z losses enter the step divided by this, so the step's terms are
+    their mean over its units, as Megatron scales each microbatch's by 1 / num_microbatches and data
+    parallelism averages: their weight does not grow with the number of microbatches a plan has, and
+    ranks that each run their replica's units add up to the whole step's mean.
+    """
+    if mode == "expanded" and pack_expanded:
+        capacity = int(plan.flags["capacity"])
+        return max(1, sum(len(expanded_groups(mb, offsets, capacity)) for mb in plan.microbatches))
+    return max(1, len(plan.microbatches))
+
+
 def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = LossConfig(),
              backward: bool = True, microbatches: list[int] | None = None,
              pack_expanded: bool = True, recompute: bool = False, progress=None,
@@ -221,6 +235,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
             work += [(mb, group) for group in expanded_groups(mb, offsets, capacity)]
         else:
             work.append((mb, None))
+    moe_scale = 1.0 / moe_units(plan, offsets, mode, pack_expanded)
     use_windows = windows and mode == "compact" and bool(plan.producers)
     if use_windows and not windows_runnable(plan):
         # A plan from a hartsc that wrote producers but no decoder-row calls: exact without reuse.
@@ -256,7 +271,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
                 lam = position_logprobs(hidden, model.lm_head.weight, reads, labels)
                 mb_entropy = torch.zeros((), dtype=torch.float64, device=device)
             mb_loss = policy_loss(lam, meta, loss)
-            aux, z = stats.aux_loss(top_k), stats.z_loss()
+            aux, z = stats.aux_loss(top_k) * moe_scale, stats.z_loss() * moe_scale
             objective = mb_loss + loss.moe_aux_coef * aux + loss.moe_z_coef * z
             if loss.entropy_coef:
                 objective = objective - loss.entropy_coef * mb_entropy

@@ -194,13 +194,16 @@ def _hf_router_outputs(model, lists):
     return lp_of, captured
 
 
-def test_moe_terms_and_loads_match_the_definition_on_hugging_face(model, step):
+@pytest.mark.parametrize("capacity", [4096, 256])
+def test_moe_terms_and_loads_match_the_definition_on_hugging_face(model, step, capacity):
     """moe_aux = sum over layers of E sum_e f_e P_e, moe_z = sum over layers of mean logsumexp^2,
-    f_e = top-k hits / (k tokens), P_e = mean normalised sigmoid score; every token of every
-    trajectory counts once (one microbatch here, so the microbatch is the step)."""
+    f_e = top-k hits / (k tokens), P_e = mean normalised sigmoid score, per microbatch (every token of
+    its trajectories counts once), then averaged over the step's microbatches (capacity 256: several)."""
     lists = step["lists"]
-    plan = compile_trajectories(lists, capacity=4096)
-    assert len(plan.microbatches) == 1
+    plan = compile_trajectories(lists, capacity=capacity)
+    assert (len(plan.microbatches) == 1) == (capacity == 4096)
+    # Which input trajectories (by position in `lists`) each microbatch holds.
+    groups = [[int(plan.step["ids"][t]) for t in mb["member_trajectory"]] for mb in plan.microbatches]
     aux_coef, z_coef = 0.3, 0.02
     result = run_step(plan, model, loss=LossConfig(kind="nll", moe_aux_coef=aux_coef, moe_z_coef=z_coef))
 
@@ -208,23 +211,25 @@ def test_moe_terms_and_loads_match_the_definition_on_hugging_face(model, step):
     lp_of, routers = _hf_router_outputs(model, lists)
     assert routers, "the tiny model has MoE layers"
     top_k = model.config.num_experts_per_token
-    tokens = sum(len(t) for t in lists)
     aux = torch.zeros((), dtype=torch.float64)
     z = torch.zeros((), dtype=torch.float64)
     for index, outputs in routers.items():
-        logits = torch.cat([o[0] for o in outputs]).to(torch.float64)           # [tokens, E]
-        chosen = torch.cat([o[1] for o in outputs])                             # [tokens, k]
-        num_experts = logits.shape[1]
-        hits = torch.zeros(num_experts, dtype=torch.float64)
-        for row in chosen.tolist():
-            for expert in row:
-                hits[expert] += 1
-        np.testing.assert_array_equal(result.moe_load[index], hits.numpy(), err_msg=f"layer {index} loads")
-        scores = logits.sigmoid()
-        probs = scores / scores.sum(dim=1, keepdim=True)
-        f = hits / (top_k * tokens)
-        aux = aux + num_experts * (f * probs.mean(dim=0)).sum()
-        z = z + (torch.logsumexp(logits, dim=1) ** 2).mean()
+        all_hits = 0
+        for group in groups:
+            logits = torch.cat([outputs[i][0] for i in group]).to(torch.float64)     # [tokens, E]
+            chosen = torch.cat([outputs[i][1] for i in group])                         # [tokens, k]
+            num_experts = logits.shape[1]
+            hits = torch.zeros(num_experts, dtype=torch.float64)
+            for row in chosen.tolist():
+                for expert in row:
+                    hits[expert] += 1
+            all_hits = all_hits + hits
+            scores = logits.sigmoid()
+            probs = scores / scores.sum(dim=1, keepdim=True)
+            f = hits / (top_k * logits.shape[0])
+            aux = aux + num_experts * (f * probs.mean(dim=0)).sum() / len(groups)
+            z = z + (torch.logsumexp(logits, dim=1) ** 2).mean() / len(groups)
+        np.testing.assert_array_equal(result.moe_load[index], all_hits.numpy(), err_msg=f"layer {index} loads")
     nll = -sum(lp.sum() for lp in lp_of) / sum(len(t) - 1 for t in lists)
     (nll + aux_coef * aux + z_coef * z).backward()
     want_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
