@@ -8,6 +8,7 @@ equals one backward over the whole step. It contains no tree logic.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import time
@@ -249,41 +250,43 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
         # data-parallel run holds one replica anyway). Gradients are sums: the order does not matter.
         work.sort(key=lambda item: (int(item[0]["window"]), int(item[0]["replica"])))
     schedule = WindowSchedule(plan.producers if use_windows else None, [mb for mb, _ in work], backward)
-    for i, (mb, group) in enumerate(progress(work, f"{mode} microbatches") if progress else work):
-        t0 = time.perf_counter()
-        layout = build_layout(mb, offsets, chunk_size, mode, members=group, windows=use_windows).to(device)
-        window = schedule.source(i, runner, layout)
-        stats = MoEStatistics()
-        with torch.set_grad_enabled(backward):
-            hidden = runner.hidden_states(layout, stats, window)
-            flat = layout.position_flat
-            reads, labels = layout.position_row, layout.position_label
-            if logprobs == "loss":
-                kept = np.flatnonzero(weights[flat] > 0)
-                flat, (index,) = flat[kept], to_device([kept], device)
-                reads, labels = reads.index_select(0, index), labels.index_select(0, index)
-            meta = _meta(plan, offsets, flat, weights, counts, device)
-            if with_entropy:
-                lam, entropy_P = position_logprobs_and_entropy(hidden, model.lm_head.weight, reads, labels)
-                meta = dataclasses.replace(meta, entropy=entropy_P.to(torch.float64))
-                mb_entropy = (meta.entropy * meta.weight).sum()
-            else:
-                lam = position_logprobs(hidden, model.lm_head.weight, reads, labels)
-                mb_entropy = torch.zeros((), dtype=torch.float64, device=device)
-            mb_loss = policy_loss(lam, meta, loss)
-            aux, z = stats.aux_loss(top_k) * moe_scale, stats.z_loss() * moe_scale
-            objective = mb_loss + loss.moe_aux_coef * aux + loss.moe_z_coef * z
-            if loss.entropy_coef:
-                objective = objective - loss.entropy_coef * mb_entropy
-        if backward:
-            objective.backward()
-        # Read back after the last microbatch: a read here would make the host wait for this
-        # microbatch's kernels before queueing the next one's (on an accelerator).
-        finished.append((flat, lam.detach().float(), (mb_loss.detach(), aux.detach(), z.detach(), mb_entropy.detach()),
-                         dict(stats.load)))
-        rows += layout.num_decoder_rows
-        schedule.finished(i)
-        times.append(time.perf_counter() - t0)
+    # `closing`: a step that stops early (an exception, an interrupt) releases its live producers.
+    with contextlib.closing(schedule):
+        for i, (mb, group) in enumerate(progress(work, f"{mode} microbatches") if progress else work):
+            t0 = time.perf_counter()
+            layout = build_layout(mb, offsets, chunk_size, mode, members=group, windows=use_windows).to(device)
+            window = schedule.source(i, runner, layout)
+            stats = MoEStatistics()
+            with torch.set_grad_enabled(backward):
+                hidden = runner.hidden_states(layout, stats, window)
+                flat = layout.position_flat
+                reads, labels = layout.position_row, layout.position_label
+                if logprobs == "loss":
+                    kept = np.flatnonzero(weights[flat] > 0)
+                    flat, (index,) = flat[kept], to_device([kept], device)
+                    reads, labels = reads.index_select(0, index), labels.index_select(0, index)
+                meta = _meta(plan, offsets, flat, weights, counts, device)
+                if with_entropy:
+                    lam, entropy_P = position_logprobs_and_entropy(hidden, model.lm_head.weight, reads, labels)
+                    meta = dataclasses.replace(meta, entropy=entropy_P.to(torch.float64))
+                    mb_entropy = (meta.entropy * meta.weight).sum()
+                else:
+                    lam = position_logprobs(hidden, model.lm_head.weight, reads, labels)
+                    mb_entropy = torch.zeros((), dtype=torch.float64, device=device)
+                mb_loss = policy_loss(lam, meta, loss)
+                aux, z = stats.aux_loss(top_k) * moe_scale, stats.z_loss() * moe_scale
+                objective = mb_loss + loss.moe_aux_coef * aux + loss.moe_z_coef * z
+                if loss.entropy_coef:
+                    objective = objective - loss.entropy_coef * mb_entropy
+            if backward:
+                objective.backward()
+            # Read back after the last microbatch: a read here would make the host wait for this
+            # microbatch's kernels before queueing the next one's (on an accelerator).
+            sums = (mb_loss.detach(), aux.detach(), z.detach(), mb_entropy.detach())
+            finished.append((flat, lam.detach().float(), sums, dict(stats.load)))
+            rows += layout.num_decoder_rows
+            schedule.finished(i)
+            times.append(time.perf_counter() - t0)
     for flat, lam, sums, mb_loads in finished:   # in microbatch order: sums as a sequential loop gives them
         flat_logprobs[flat] = lam.cpu().numpy()
         mb_loss, aux, z, mb_entropy = (float(x) for x in sums)   # the device is idle by now: no stall

@@ -58,7 +58,10 @@ class ProducerRecord(RowSource):
         self.states: dict = {}      # layer -> exported states
         self.leaves: dict = {}      # (key, layer) -> leaf shared by the window's consumers
         self.state_leaves: dict = {}
-        self.backward_passes = 0    # autograd traversals of the producer graph (its embedding output)
+        # Autograd traversals of the producer graph (its embedding output), counted in a list the hook
+        # holds: a hook bound to the record would keep it, and through it the whole graph, alive in a
+        # cycle through torch's autograd graph that Python's collector cannot see.
+        self._passes = [0]
 
     def complete(self, key, layer, computed):
         # A recomputation in backward (activation checkpointing) must not replace the forward's tensors.
@@ -70,10 +73,11 @@ class ProducerRecord(RowSource):
 
     def started(self, embedded):
         if embedded.requires_grad:
-            embedded.register_hook(self._count)
+            embedded.register_hook(lambda grad, passes=self._passes: passes.__setitem__(0, passes[0] + 1))
 
-    def _count(self, grad):
-        self.backward_passes += 1
+    @property
+    def backward_passes(self) -> int:
+        return self._passes[0]
 
     def leaf(self, key: str, layer: int) -> torch.Tensor:
         found = self.leaves.get((key, layer))
@@ -172,3 +176,10 @@ class WindowSchedule:
             record.backward()
             self.backward_passes += record.backward_passes
         record.release()
+
+    def close(self) -> None:
+        """Release every producer still live: a run that stops early (an exception, an interrupt)
+        must not keep their graphs and caches for the rest of the process."""
+        for record in self.live.values():
+            record.release()
+        self.live.clear()

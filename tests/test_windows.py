@@ -120,6 +120,37 @@ def test_recomputation_keeps_window_gradients_and_the_single_producer_backward(k
     assert_same_step(recomputed, plain, "recompute")
 
 
+def test_a_step_that_stops_early_keeps_no_producer_alive(kimi):
+    """An interrupt (or a failing objective, or an out-of-memory error caught and retried) between two
+    consumers of a window: the producer's graph must not outlive the step (found by an audit: a hook
+    bound to the producer record kept it alive in a cycle through autograd that gc cannot see)."""
+    import gc
+
+    from harts.executor.windows import ProducerRecord
+
+    plan = compile_windows(two_trees(), chunk_size=16)
+    assert len(plan.microbatches) > 1 and plan.producers
+
+    def interrupted(work, _label):
+        for i, item in enumerate(work):
+            if i == 1:
+                raise KeyboardInterrupt
+            yield item
+
+    def live():
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if type(o) is ProducerRecord)
+
+    run_step(plan, kimi, loss=LossConfig("grpo"))   # warm every cache a run fills
+    kimi.zero_grad(set_to_none=True)
+    before = live()
+    for _ in range(2):
+        with pytest.raises(KeyboardInterrupt):
+            run_step(plan, kimi, loss=LossConfig("grpo"), progress=interrupted)
+    kimi.zero_grad(set_to_none=True)
+    assert live() == before == 0
+
+
 def test_forward_only_runs_producers_without_backward(kimi):
     plan = compile_windows(two_trees())
     result = run_step(plan, kimi, backward=False)
