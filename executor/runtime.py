@@ -124,6 +124,13 @@ def check_call(plan, model, backward: bool, loss=LossConfig()) -> None:
     if dtypes:
         raise UsageError(f"the model holds {', '.join(dtypes)} parameters; HARTS runs float32 or bfloat16 models; "
                          "fix: model.float() (or .to(torch.bfloat16))")
+    device_type = parameters[0].device.type
+    if torch.is_autocast_enabled(device_type):
+        # Our operators mix the model's own modules with tensors they build in the model's dtype; under
+        # autocast the two disagree (a torch dtype error deep inside a layer).
+        raise UsageError(f"called inside torch.autocast({device_type!r}), which HARTS does not support; fix: call "
+                         "outside it, with the model itself in the dtype to train in (model.to(torch.bfloat16)): "
+                         "HARTS's own operators then compute in float32 where it matters (docs/numerics.md)")
     if backward and torch.is_inference_mode_enabled():
         raise UsageError("called inside torch.inference_mode(), which records nothing to differentiate; "
                          "fix: call outside it, or pass backward=False")

@@ -158,6 +158,7 @@ def tiny_model():
     ("float64", "holds torch.float64 parameters; HARTS runs float32 or bfloat16 models"),
     ("all-frozen", "no model parameter requires a gradient"),
     ("inference-mode", "called inside torch.inference_mode()"),
+    ("autocast", r"called inside torch.autocast\('cpu'\), which HARTS does not support"),
     ("microbatch-out-of-range", r"microbatches must be distinct indices in \[0, 1\), got \[99\]"),
     ("microbatch-negative", r"got \[-1\]"),
     ("microbatch-twice", r"got \[0, 0\]; fix: pass each microbatch once"),
@@ -182,8 +183,9 @@ def test_run_arguments_it_cannot_run_are_usage_errors(tiny_model, case, words):
     elif case.startswith("microbatch"):
         kwargs["microbatches"] = {"microbatch-out-of-range": [99], "microbatch-negative": [-1],
                                   "microbatch-twice": [0, 0]}[case]
-    with pytest.raises(api.UsageError, match=words), \
-            (torch.inference_mode() if case == "inference-mode" else contextlib.nullcontext()):
+    context = {"inference-mode": torch.inference_mode(),
+               "autocast": torch.autocast("cpu", dtype=torch.bfloat16)}.get(case, contextlib.nullcontext())
+    with pytest.raises(api.UsageError, match=words), context:
         run_step(plan, model, **kwargs)
 
 
