@@ -23,6 +23,7 @@ from harts.executor.losses import (LOGPROB_POSITIONS, LossConfig, PositionMeta, 
                                     position_weights, trained_counts)
 from harts.executor.models.moe import MoEStatistics
 from harts.executor.models.registry import runner_for
+from harts.executor.ops.linear_attention.chunk import clear_round_layouts
 from harts.executor.ops.logprobs import position_logprobs, position_logprobs_and_entropy
 from harts.executor.ops.transfer import to_device
 from harts.executor.windows import WindowSchedule
@@ -156,6 +157,14 @@ def microbatch_indices(plan: Plan, microbatches) -> list[int] | None:
     return indices
 
 
+@contextlib.contextmanager
+def _step_scoped_round_layouts():
+    try:
+        yield
+    finally:
+        clear_round_layouts()
+
+
 def moe_units(plan: Plan, offsets: np.ndarray, mode: str, pack_expanded: bool) -> int:
     """The step's forward units (plan microbatches; expanded and packed: their groups), all replicas'.
 
@@ -257,8 +266,9 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
         # data-parallel run holds one replica anyway). Gradients are sums: the order does not matter.
         work.sort(key=lambda item: (int(item[0]["window"]), int(item[0]["replica"])))
     schedule = WindowSchedule(plan.producers if use_windows else None, [mb for mb, _ in work], backward)
-    # `closing`: a step that stops early (an exception, an interrupt) releases its live producers.
-    with contextlib.closing(schedule):
+    # `closing`: a step that stops early (an exception, an interrupt) releases its live producers; the
+    # round layouts cached for this step's linear-attention calls go when it ends, whichever way.
+    with contextlib.closing(schedule), _step_scoped_round_layouts():
         for i, (mb, group) in enumerate(progress(work, f"{mode} microbatches") if progress else work):
             t0 = time.perf_counter()
             layout = build_layout(mb, offsets, chunk_size, mode, members=group, windows=use_windows).to(device)

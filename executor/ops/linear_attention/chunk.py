@@ -300,6 +300,14 @@ def round_layout(host: RoundHost, chunk_size: int, device: torch.device) -> "_Ro
                           chunk_size, device)
 
 
+def clear_round_layouts() -> None:
+    """Drop every cached round layout. `run_step` calls it when a step ends: the cache serves one step's
+    layers, backward and recomputation, while an RL loop's next step has a new plan whose geometries
+    rarely repeat, so a process-wide cache would only hold index tensors on the model's device (about
+    1 MiB per 65,536-token round, up to ROUND_LAYOUT_CACHE of them)."""
+    _cached_layout.cache_clear()
+
+
 @functools.lru_cache(maxsize=ROUND_LAYOUT_CACHE)
 def _cached_layout(seq_starts: tuple, export_seq: tuple, export_chunk: tuple, chunk_size: int,
                    device: torch.device) -> "_RoundLayout":
