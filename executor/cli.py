@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from harts.executor import distributed
 
-    primary, joined = True, False
+    primary = True
     try:
         loss = loss_config(args)
         # Every input check comes before the model loads and the step runs: a
@@ -354,7 +354,6 @@ def main(argv: list[str] | None = None) -> int:
         if distributed.launched_by_torchrun():
             group = distributed.init_data_parallel(int(plan.flags["dp"]), device)
             selected, primary = distributed.microbatches_of_replica(plan, group.rank), group.is_primary
-            joined = True
         model = model.to(device)
         backend = model_backend(device, plan, model)   # now knowing the family's gate (a defect may rule fla out)
         if primary and backend == "fla":
@@ -373,12 +372,10 @@ def main(argv: list[str] | None = None) -> int:
             distributed.finish_data_parallel()
     except HartsError as err:   # input, output and usage errors (UsageError: ppo without old_logprobs, a bad flag)
         rank = distributed.launch_rank() if distributed.launched_by_torchrun() else 0
-        # Before the process group, every rank checks the same plan and flags and meets the same
-        # refusal: rank 0 alone prints it, rather than one copy per process.
-        if rank == 0:
-            print(f"harts run: {err}", file=sys.stderr)
-        elif joined:
-            print(f"harts run: rank {rank}: {err}", file=sys.stderr)
+        # Every rank says why it stopped (one may fail alone: its node lacks the model, its GPU is
+        # busy); the other ranks' copies of a refusal they all meet carry their rank, so they read
+        # as copies of rank 0's line.
+        print(f"harts run: {err}" if rank == 0 else f"harts run: rank {rank}: {err}", file=sys.stderr)
         return err.exit_code
     if not primary:
         return 0

@@ -39,7 +39,8 @@ class StepResult:
     objective: float                   # what was differentiated: loss + MoE terms - entropy_coef x entropy
     grads: dict                        # parameter name -> its .grad, trainable ones (empty without backward)
     moe_load: dict                     # layer -> float64[E] occurrence-weighted expert loads
-    moe_aux_loss: float                # mean over the step's microbatches (`moe_units`), summed over MoE layers
+    moe_aux_loss: float                # summed over MoE layers, divided by the step's microbatch count
+                                       # (`moe_units`): the step's mean, or with `microbatches=` their share
     moe_z_loss: float                  # likewise
     seconds: float
     rows: int                          # decoder rows run (over all microbatches and window producers)

@@ -172,10 +172,12 @@ class WindowSchedule:
         if cell is None or self.last_reader[cell] != i:
             return
         record = self.live.pop(cell)
-        if self.backward:
-            record.backward()
-            self.backward_passes += record.backward_passes
-        record.release()
+        try:
+            if self.backward:
+                record.backward()
+                self.backward_passes += record.backward_passes
+        finally:   # a producer backward that fails (out of memory) must not keep the window's graph
+            record.release()
 
     def close(self) -> None:
         """Release every producer still live: a run that stops early (an exception, an interrupt)

@@ -215,13 +215,14 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
         raise ValueError(f"advantages: {len(advantages)} entries for {len(lengths)} trajectories; "
                          "fix: give one (scalar or per-token list) per trajectory")
     per_token_adv = advantages is not None and len(advantages) and np.ndim(advantages[0]) == 1
-    if advantages is not None:
-        form = ("a scalar", "a per-token list")
-        mixed = next((i for i, a in enumerate(advantages) if (np.ndim(a) == 1) != bool(per_token_adv)), None)
+    first = np.ndim(advantages[0]) if advantages is not None and len(advantages) else None
+    if first in (0, 1):
+        # Only a 0-d entry against a 1-d one is a mix of forms; other shapes get the shape error below.
+        mixed = next((i for i, a in enumerate(advantages) if np.ndim(a) == 1 - first), None)
         if mixed is not None:
-            raise ValueError(f"advantages: trajectory 0 has {form[bool(per_token_adv)]} but trajectory {mixed} "
-                             f"{form[not per_token_adv]}; fix: give every trajectory a scalar, or every "
-                             "trajectory a per-token list")
+            form = ("a scalar", "a per-token list")
+            raise ValueError(f"advantages: trajectory 0 has {form[first]} but trajectory {mixed} {form[1 - first]}; "
+                             "fix: give every trajectory a scalar, or every trajectory a per-token list")
     if advantages is not None and not per_token_adv:
         advantages = _flat([[a] for a in advantages], [1] * len(lengths), "advantages")   # finite scalars
     batch = TrajectoryBatch.from_token_lists(tokens, ids=ids, loss_masks=loss_masks,

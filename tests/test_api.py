@@ -58,11 +58,14 @@ TOKENS = [[1, 2, 3], [1, 2, 4]]
     (dict(tokens=[[1] * 12, [2] * 37, [3] * 37], dp=2, capacity=41), "e.g. 1 or 3"),
     (dict(tokens=TOKENS, advantages=[0.5, [0.1, 0.2, 0.3]]), "trajectory 0 has a scalar but trajectory 1 a per-token"),
     (dict(tokens=TOKENS, advantages=[[0.1, 0.2, 0.3], 0.5]), "trajectory 0 has a per-token list but trajectory 1 a"),
+    (dict(tokens=TOKENS, advantages=[[0.1, 0.2, 0.3], [[0.1], [0.2], [0.3]]]),
+     r"trajectory 1: advantages has shape \(3, 1\)"),
 ], ids=["negative", "float", "short", "vocab", "mask-length", "mask-value", "nan", "nan-advantage", "empty",
         "advantages", "ids", "ids-as-strings", "ids-count", "id-none", "id-float", "id-bool", "id-bytes", "id-huge",
         "id-surrogate", "tree-tuple", "trees-str", "tokens-none", "tokens-nested", "token-bool", "advantages-scalar",
         "mask-value-names-trajectory", "capacity", "bool-advantages", "bool-logprobs", "dp-0", "chunk-0", "levels", "vocab-0",
-        "dp-cannot-fill", "advantages-scalar-then-list", "advantages-list-then-scalar"])
+        "dp-cannot-fill", "advantages-scalar-then-list", "advantages-list-then-scalar",
+        "advantages-nested"])
 def test_bad_batches_are_value_errors_with_a_fix(kwargs, words):
     tokens = kwargs.pop("tokens")
     with pytest.raises(ValueError, match=words) as info:

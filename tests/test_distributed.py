@@ -108,9 +108,12 @@ def test_one_process_under_torchrun_refuses_a_two_replica_plan(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
-def test_a_refused_input_is_printed_once_not_once_per_rank(tmp_path):
-    """Every rank meets the same refusal before the process group: rank 0 alone prints it."""
+def test_a_refusal_every_rank_meets_reads_as_one_line_and_its_copies(tmp_path):
+    """Every rank says why it stopped (one may fail alone); rank 0's line is plain, the other ranks' carry
+    their rank, so a refusal they all meet reads as one line and its labelled copies."""
     out = torchrun(2, ["harts", "run", str(tmp_path / "missing.plan"), "--model", str(tmp_path / "model")])
     assert out.returncode != 0
-    assert out.stderr.count("harts run: ") == 1, out.stderr
-    assert "missing.plan: cannot read plan" in out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.startswith("harts run: ")]
+    assert len(lines) == 2, out.stderr
+    assert sum(line.startswith("harts run: rank 1: ") for line in lines) == 1
+    assert all("missing.plan: cannot read plan" in line for line in lines)

@@ -151,6 +151,25 @@ def test_a_step_that_stops_early_keeps_no_producer_alive(kimi):
     assert live() == before == 0
 
 
+def test_a_producer_backward_that_fails_keeps_no_producer_alive(kimi, monkeypatch):
+    """Out of memory in the producer's one backward, with recomputation (whose checkpoints hold the graph
+    in a cycle gc cannot see): the record is released all the same (found by a regression audit)."""
+    import gc
+
+    from harts.executor.windows import ProducerRecord
+
+    def out_of_memory(self):
+        raise torch.OutOfMemoryError("simulated")
+
+    plan = compile_windows(two_trees(), chunk_size=16)
+    monkeypatch.setattr(ProducerRecord, "backward", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        run_step(plan, kimi, loss=LossConfig("grpo"), recompute=True)
+    kimi.zero_grad(set_to_none=True)
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o) is ProducerRecord]
+
+
 def test_forward_only_runs_producers_without_backward(kimi):
     plan = compile_windows(two_trees())
     result = run_step(plan, kimi, backward=False)
