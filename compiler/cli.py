@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _compile(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         options = CompileOptions(dp=args.dp, capacity=args.capacity, chunk_size=args.chunk_size,
                                  planner=args.planner, levels=args.levels, seed=args.seed,
@@ -99,17 +100,18 @@ def _compile(argv: list[str] | None) -> int:
                                  max_window_slots=args.max_window_slots)
         # Flags and output paths are checked before the (possibly minutes-long) read and compile.
         check_options(options)
-        for line in idle_flag_warnings(args, build_parser(), options):
+        for line in idle_flag_warnings(args, parser, options):
             print(f"hartsc: warning: {line}", file=sys.stderr)
         output = check_output_path(args.output, inputs=[args.trees])
-        # Beside the name given: `harts stats` looks for it there even when the plan is a link.
+        # Beside the name given: `harts stats` looks for it there even when the plan is a link. Its name
+        # follows the plan's, so the fix for a bad one is to clear that path, not to rename it.
+        sidecar_fix = f"move it away: hartsc writes the plan's timing record there, beside {args.output}"
         try:
             sidecar = check_output_path(timing_path(args.output), inputs=[args.trees])
-        except OutputError as err:   # its name follows the plan's: the fix is to clear that path, not rename
-            raise OutputError(err.path, err.problem, f"move it away: hartsc writes the plan's timing record "
-                                                     f"there, beside {args.output}") from None
-        refuse_one_file([(args.output, output), (timing_path(args.output), sidecar)], "it leads to the plan file itself",
-                        f"move it away: hartsc writes the plan's timing record there, beside {args.output}")
+        except OutputError as err:
+            raise OutputError(err.path, err.problem, sidecar_fix) from None
+        refuse_one_file([(args.output, output), (timing_path(args.output), sidecar)],
+                        "it leads to the plan file itself", sidecar_fix)
         from harts.compiler.read_trees import read_trees
         t0 = time.perf_counter()
         batch = read_trees(args.trees, vocab_size=args.vocab_size, capacity=args.capacity)

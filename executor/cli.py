@@ -40,8 +40,6 @@ def _load_errors() -> tuple[type[BaseException], ...]:
 
 def check_model_type(model_dir: str) -> None:
     """Refuse, before any weights load, a config.json naming a family HARTS has no runner for."""
-    import json
-
     from harts.executor.models.registry import RUNNERS
     try:
         model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")

@@ -214,8 +214,8 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
     if advantages is not None and len(advantages) != len(lengths):
         raise ValueError(f"advantages: {len(advantages)} entries for {len(lengths)} trajectories; "
                          "fix: give one (scalar or per-token list) per trajectory")
-    per_token_adv = advantages is not None and len(advantages) and np.ndim(advantages[0]) == 1
     first = np.ndim(advantages[0]) if advantages is not None and len(advantages) else None
+    per_token_adv = first == 1
     if first in (0, 1):
         # Only a 0-d entry against a 1-d one is a mix of forms; other shapes get the shape error below.
         mixed = next((i for i, a in enumerate(advantages) if np.ndim(a) == 1 - first), None)

@@ -15,7 +15,8 @@ from harts.schema.timing import plan_digest, timing_path
 def read_planning_seconds(plan_path: str, plan_bytes: bytes) -> tuple[float | None, str]:
     """hartsc records timing beside the plan (`PLAN.timing.json`) to keep the plan deterministic.
 
-    `plan_bytes` is the plan file's contents as read (`read_plan_and_bytes`). Returns (seconds, "") or (None, why there is no usable number: missing,
+    `plan_bytes` is the plan file's contents as read (`read_plan_and_bytes`).
+    Returns (seconds, "") or (None, why there is no usable number: missing,
     unreadable, malformed, or recorded for other plan bytes: a record whose
     `plan_sha256` differs belongs to a plan since overwritten, e.g. by
     `harts.api.write_plan`, which writes no timing. Records without the
@@ -37,9 +38,8 @@ def read_planning_seconds(plan_path: str, plan_bytes: bytes) -> tuple[float | No
     except (ValueError, KeyError, TypeError):
         return None, f"{sidecar.name} holds no planning_seconds >= 0 (not hartsc's timing record)"
     digest = record.get("plan_sha256")
-    if digest is not None:
-        if digest != plan_digest(plan_bytes):
-            return None, f"{sidecar.name} was written for other plan bytes (the plan was replaced since)"
+    if digest is not None and digest != plan_digest(plan_bytes):
+        return None, f"{sidecar.name} was written for other plan bytes (the plan was replaced since)"
     return float(seconds), ""
 
 
