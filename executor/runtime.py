@@ -228,32 +228,10 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     started = time.perf_counter()
     chunk_size = int(plan.flags["chunk_size"])
     runner = runner_for(model, chunk_size=chunk_size, recompute=recompute)
-    # Index tensors follow the model: on CUDA the linear-attention rounds then run fla's kernels.
-    device = next(model.parameters()).device
-    offsets = np.asarray(plan.step["token_offsets"], dtype=np.int64)
-    flat_logprobs = np.full(int(offsets[-1]), np.nan, dtype=np.float32)
-    # Reduction weights over the whole step: identical whichever microbatch or rank a position runs on.
-    weights = position_weights(plan.step["loss_mask"], offsets, loss.reduction)
-    check_objective_inputs(plan.step.get("old_logprobs"), plan.step.get("ref_logprobs"), weights, loss)
-    counts = trained_counts(weights, offsets)
-    top_k = runner.top_k
-    with_entropy = entropy or loss.entropy_coef > 0
-    total_loss, aux_total, z_total, entropy_total, rows = 0.0, 0.0, 0.0, 0.0, 0
-    loads: dict = {}
-    finished = []   # per microbatch: (flat positions, logprobs, [loss, aux, z, entropy], expert loads), on the device
-    times = []
+    step = _step_inputs(plan, model, runner, mode, loss, pack_expanded, logprobs, entropy)
     if backward and not accumulate:
         model.zero_grad(set_to_none=True)
-    selected = range(len(plan.microbatches)) if microbatches is None else microbatches
-    capacity = int(plan.flags["capacity"])
-    work = []
-    for index in selected:
-        mb = plan.microbatches[index]
-        if mode == "expanded" and pack_expanded:
-            work += [(mb, group) for group in expanded_groups(mb, offsets, capacity)]
-        else:
-            work.append((mb, None))
-    moe_scale = 1.0 / moe_units(plan, offsets, mode, pack_expanded)
+    work = _work_units(plan, step.offsets, mode, pack_expanded, microbatches)
     use_windows = windows and mode == "compact" and bool(plan.producers)
     if use_windows and not windows_runnable(plan):
         # A plan from a hartsc that wrote producers but no decoder-row calls: exact without reuse.
@@ -267,62 +245,136 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
         # data-parallel run holds one replica anyway). Gradients are sums: the order does not matter.
         work.sort(key=lambda item: (int(item[0]["window"]), int(item[0]["replica"])))
     schedule = WindowSchedule(plan.producers if use_windows else None, [mb for mb, _ in work], backward)
+    finished: list[_MicrobatchResult] = []
+    times = []
     # `closing`: a step that stops early (an exception, an interrupt) releases its live producers; the
     # round layouts cached for this step's linear-attention calls go when it ends, whichever way.
     with contextlib.closing(schedule), _step_scoped_round_layouts():
         for i, (mb, group) in enumerate(progress(work, f"{mode} microbatches") if progress else work):
             t0 = time.perf_counter()
-            layout = build_layout(mb, offsets, chunk_size, mode, members=group, windows=use_windows).to(device)
-            window = schedule.source(i, runner, layout)
-            stats = MoEStatistics()
-            with torch.set_grad_enabled(backward):
-                hidden = runner.hidden_states(layout, stats, window)
-                flat = layout.position_flat
-                reads, labels = layout.position_row, layout.position_label
-                if logprobs == "loss":
-                    kept = np.flatnonzero(weights[flat] > 0)
-                    flat, (index,) = flat[kept], to_device([kept], device)
-                    reads, labels = reads.index_select(0, index), labels.index_select(0, index)
-                meta = _meta(plan, offsets, flat, weights, counts, device)
-                if with_entropy:
-                    lam, entropy_P = position_logprobs_and_entropy(hidden, model.lm_head.weight, reads, labels)
-                    meta = dataclasses.replace(meta, entropy=entropy_P.to(torch.float64))
-                    mb_entropy = (meta.entropy * meta.weight).sum()
-                else:
-                    lam = position_logprobs(hidden, model.lm_head.weight, reads, labels)
-                    mb_entropy = torch.zeros((), dtype=torch.float64, device=device)
-                mb_loss = policy_loss(lam, meta, loss)
-                aux, z = stats.aux_loss(top_k) * moe_scale, stats.z_loss() * moe_scale
-                objective = mb_loss + loss.moe_aux_coef * aux + loss.moe_z_coef * z
-                if loss.entropy_coef:
-                    objective = objective - loss.entropy_coef * mb_entropy
-            if backward:
-                objective.backward()
-            # Read back after the last microbatch: a read here would make the host wait for this
-            # microbatch's kernels before queueing the next one's (on an accelerator).
-            sums = (mb_loss.detach(), aux.detach(), z.detach(), mb_entropy.detach())
-            finished.append((flat, lam.detach().float(), sums, dict(stats.load)))
-            rows += layout.num_decoder_rows
+            layout = build_layout(mb, step.offsets, chunk_size, mode, members=group, windows=use_windows)
+            layout = layout.to(step.device)
+            finished.append(_run_microbatch(step, runner, layout, schedule.source(i, runner, layout), backward))
             schedule.finished(i)
             times.append(time.perf_counter() - t0)
-    for flat, lam, sums, mb_loads in finished:   # in microbatch order: sums as a sequential loop gives them
-        flat_logprobs[flat] = lam.cpu().numpy()
-        mb_loss, aux, z, mb_entropy = (float(x) for x in sums)   # the device is idle by now: no stall
+    return _step_result(plan, model, step, finished, backward, started=started, microbatch_seconds=times,
+                        schedule=schedule)
+
+
+@dataclass(frozen=True)
+class _StepInputs:
+    """What every microbatch of one step reads; fixed before the first one runs. `weights` and `counts` are
+    the step's reduction weights and trained counts, identical whichever microbatch or rank a position runs on."""
+    plan: Plan
+    offsets: np.ndarray          # int64[T + 1] trajectory starts in the step's flat positions
+    weights: np.ndarray          # float64 per flat position: its share of the loss
+    counts: tuple[int, int]      # trained positions, trained trajectories (the step's)
+    device: torch.device         # the model's: index tensors follow it (on CUDA, fla's kernels run)
+    loss: LossConfig
+    loss_positions_only: bool    # logprobs="loss": the LM head reads weighed positions only
+    with_entropy: bool
+    moe_scale: float             # 1 / moe_units: each unit's MoE terms enter as the step's mean
+    top_k: int
+    lm_head_weight: torch.Tensor
+
+
+def _step_inputs(plan: Plan, model, runner, mode: str, loss: LossConfig, pack_expanded: bool, logprobs: str,
+                 entropy: bool) -> _StepInputs:
+    offsets = np.asarray(plan.step["token_offsets"], dtype=np.int64)
+    weights = position_weights(plan.step["loss_mask"], offsets, loss.reduction)
+    check_objective_inputs(plan.step.get("old_logprobs"), plan.step.get("ref_logprobs"), weights, loss)
+    return _StepInputs(plan=plan, offsets=offsets, weights=weights, counts=trained_counts(weights, offsets),
+                       device=next(model.parameters()).device, loss=loss, loss_positions_only=logprobs == "loss",
+                       with_entropy=entropy or loss.entropy_coef > 0,
+                       moe_scale=1.0 / moe_units(plan, offsets, mode, pack_expanded), top_k=runner.top_k,
+                       lm_head_weight=model.lm_head.weight)
+
+
+def _work_units(plan: Plan, offsets: np.ndarray, mode: str, pack_expanded: bool,
+                microbatches: list[int] | None) -> list[tuple[dict, object]]:
+    """(plan microbatch, member group or None) per forward unit, in plan order; expanded and packed: one
+    unit per group of at most the capacity in original tokens."""
+    selected = range(len(plan.microbatches)) if microbatches is None else microbatches
+    capacity = int(plan.flags["capacity"])
+    work = []
+    for index in selected:
+        mb = plan.microbatches[index]
+        if mode == "expanded" and pack_expanded:
+            work += [(mb, group) for group in expanded_groups(mb, offsets, capacity)]
+        else:
+            work.append((mb, None))
+    return work
+
+
+@dataclass
+class _MicrobatchResult:
+    """One unit's outputs, still on the device: read back after the last unit, so the host never waits for
+    a unit's kernels before queueing the next one's (on an accelerator)."""
+    flat: np.ndarray             # the flat positions whose log-probabilities it recovered
+    logprobs: torch.Tensor       # float32, aligned with `flat`
+    sums: tuple                  # 0-d tensors: policy loss, MoE aux, MoE z, weighted entropy
+    loads: dict                  # MoE layer -> expert loads
+    rows: int                    # decoder rows it ran (its producer's are the schedule's)
+
+
+def _run_microbatch(step: _StepInputs, runner, layout, window, backward: bool) -> _MicrobatchResult:
+    """Forward one unit, recover its positions' log-probabilities, and (with `backward`) backpropagate its
+    share of the step's objective."""
+    stats = MoEStatistics()
+    with torch.set_grad_enabled(backward):
+        hidden = runner.hidden_states(layout, stats, window)
+        flat = layout.position_flat
+        reads, labels = layout.position_row, layout.position_label
+        if step.loss_positions_only:
+            kept = np.flatnonzero(step.weights[flat] > 0)
+            flat, (kept_index,) = flat[kept], to_device([kept], step.device)
+            reads, labels = reads.index_select(0, kept_index), labels.index_select(0, kept_index)
+        meta = _meta(step.plan, step.offsets, flat, step.weights, step.counts, step.device)
+        if step.with_entropy:
+            lam, entropy_P = position_logprobs_and_entropy(hidden, step.lm_head_weight, reads, labels)
+            meta = dataclasses.replace(meta, entropy=entropy_P.to(torch.float64))
+            mb_entropy = (meta.entropy * meta.weight).sum()
+        else:
+            lam = position_logprobs(hidden, step.lm_head_weight, reads, labels)
+            mb_entropy = torch.zeros((), dtype=torch.float64, device=step.device)
+        loss = step.loss
+        mb_loss = policy_loss(lam, meta, loss)
+        aux, z = stats.aux_loss(step.top_k) * step.moe_scale, stats.z_loss() * step.moe_scale
+        objective = mb_loss + loss.moe_aux_coef * aux + loss.moe_z_coef * z
+        if loss.entropy_coef:
+            objective = objective - loss.entropy_coef * mb_entropy
+    if backward:
+        objective.backward()
+    return _MicrobatchResult(flat=flat, logprobs=lam.detach().float(),
+                             sums=(mb_loss.detach(), aux.detach(), z.detach(), mb_entropy.detach()),
+                             loads=dict(stats.load), rows=layout.num_decoder_rows)
+
+
+def _step_result(plan: Plan, model, step: _StepInputs, finished: list[_MicrobatchResult], backward: bool, *,
+                 started: float, microbatch_seconds: list, schedule: WindowSchedule) -> StepResult:
+    """Read every unit's outputs back (the device is idle by now: no stall) and sum them in unit order, as a
+    sequential loop would. `seconds` runs from `started` to the end of this read-back."""
+    offsets = step.offsets
+    flat_logprobs = np.full(int(offsets[-1]), np.nan, dtype=np.float32)
+    total_loss, aux_total, z_total, entropy_total = 0.0, 0.0, 0.0, 0.0
+    loads: dict = {}
+    for unit in finished:
+        flat_logprobs[unit.flat] = unit.logprobs.cpu().numpy()
+        mb_loss, aux, z, mb_entropy = (float(x) for x in unit.sums)
         total_loss, aux_total, z_total = total_loss + mb_loss, aux_total + aux, z_total + z
         entropy_total += mb_entropy
-        for layer, load in mb_loads.items():
+        for layer, load in unit.loads.items():
             loads[layer] = loads.get(layer, 0) + load.cpu().numpy()
     ids = plan.step["ids"]
     logprobs = {str(ids[t]): flat_logprobs[offsets[t]:offsets[t + 1]].copy() for t in range(len(ids))}
-    grads = {}
-    if backward:
-        grads = trainable_gradients(model)
+    grads = trainable_gradients(model) if backward else {}
+    loss = step.loss
     objective_total = (total_loss + loss.moe_aux_coef * aux_total + loss.moe_z_coef * z_total
                        - loss.entropy_coef * entropy_total)
-    return StepResult(logprobs=logprobs, loss=total_loss, objective=objective_total, grads=grads, moe_load=loads, moe_aux_loss=aux_total,
-                      moe_z_loss=z_total, seconds=time.perf_counter() - started, rows=rows + schedule.rows,
-                      microbatch_seconds=times, producers_run=schedule.producers_run,
-                      producer_backward_passes=schedule.backward_passes,
-                      most_live_producers=schedule.most_live,
+    return StepResult(logprobs=logprobs, loss=total_loss, objective=objective_total,
+                      grads=grads, moe_load=loads, moe_aux_loss=aux_total,
+                      moe_z_loss=z_total, seconds=time.perf_counter() - started, rows=sum(unit.rows for unit in finished) + schedule.rows,
+                      microbatch_seconds=microbatch_seconds, producers_run=schedule.producers_run,
+                      producer_backward_passes=schedule.backward_passes, most_live_producers=schedule.most_live,
                       # No trained position: no entropy to report (0.0 would read as a collapsed policy).
-                      entropy=entropy_total if with_entropy and counts[0] else None)
+                      entropy=entropy_total if step.with_entropy and step.counts[0] else None)
