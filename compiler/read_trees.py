@@ -308,12 +308,11 @@ def _split_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
 
 def _parse_line(line: bytes, where: _Where) -> tuple[_Trajectory, np.ndarray]:
     """Validate one non-blank line into (record, int32 tokens), or raise InputError for that line."""
-    constants: list[str] = []
     try:
         obj = orjson.loads(line)
         may_hold_bool = _may_hold_bool(line)
     except orjson.JSONDecodeError as err:
-        obj = _loads_nonstandard(line, where, err, constants)
+        obj = _loads_nonstandard(line, where, err)
         may_hold_bool = True
     if type(obj) is not dict:
         raise where.error(None, f"expected a JSON object, found {_describe(obj)}", _FIX_LINE)
@@ -338,15 +337,10 @@ def _parse_line(line: bytes, where: _Where) -> tuple[_Trajectory, np.ndarray]:
     # Only lines that give log-probabilities pay for the mask of positions no loss reads.
     given = obj.get("old_logprobs") is not None or obj.get("ref_logprobs") is not None
     unread = never_read(loss_mask, num_tokens) if given else None
-    old_logprobs, old_literals = _parse_logprobs(obj.get("old_logprobs"), "old_logprobs", num_tokens, where,
-                                                 may_hold_bool, unread)
-    ref_logprobs, ref_literals = _parse_logprobs(obj.get("ref_logprobs"), "ref_logprobs", num_tokens, where,
-                                                 may_hold_bool, unread)
-    if len(constants) > old_literals + ref_literals:
-        # Every field HARTS reads passed, so the NaN/Infinity sits in a field it
-        # ignores; the line is still not JSON.
-        raise where.error(None, f"malformed JSON: {constants[0]} is not a JSON value",
-                          "write finite numbers only (JSON has no NaN or Infinity)")
+    # A NaN / Infinity literal left unchecked sits in a field HARTS ignores (Python's json.dumps writes
+    # one for a float('nan') reward): ignored, like the rest of that field.
+    old_logprobs = _parse_logprobs(obj.get("old_logprobs"), "old_logprobs", num_tokens, where, may_hold_bool, unread)
+    ref_logprobs = _parse_logprobs(obj.get("ref_logprobs"), "ref_logprobs", num_tokens, where, may_hold_bool, unread)
     record = _Trajectory(traj_id, tree, where.line, num_tokens, loss_mask, advantages, old_logprobs,
                          ref_logprobs)
     return record, tokens
@@ -409,22 +403,18 @@ def _may_hold_bool(line: bytes) -> bool:
     return False
 
 
-def _loads_nonstandard(line: bytes, where: _Where, err: orjson.JSONDecodeError, constants: list[str]):
+def _loads_nonstandard(line: bytes, where: _Where, err: orjson.JSONDecodeError):
     """Parse a line orjson rejected, so NaN/Infinity is reported on the field that holds it.
 
     orjson refuses the `NaN` / `Infinity` literals (they are not JSON) with a
     message that names only a column; Python's json accepts them, so the field
-    checks can then say e.g. "old_logprobs[3] = nan is not a finite float32".
-    Each such literal is appended to `constants`. A line that only orjson
+    checks can then say e.g. "old_logprobs[3] = nan is not a finite float32"
+    (every field HARTS reads rejects a non-finite value where it matters). A line that only orjson
     rejects for another reason (a lone surrogate escape, very deep nesting) is
     valid JSON and is read as such, except that `id` and `tree` may not hold a
     lone surrogate (`_reject_lone_surrogates`). A line that is not UTF-8 is
     reported as such, with the first bad byte.
     """
-    def keep_constant(name: str) -> float:
-        constants.append(name)
-        return float(name)
-
     try:
         # Strict UTF-8 first: json.loads(bytes) would guess UTF-16 from a stray
         # b"\xff\xfe" and let UTF-8-encoded surrogates through.
@@ -433,7 +423,7 @@ def _loads_nonstandard(line: bytes, where: _Where, err: orjson.JSONDecodeError, 
         raise where.error(None, f"malformed JSON: the line is not valid UTF-8 (byte {bad.start + 1} is 0x{line[bad.start]:02x})",
                           "save the file as UTF-8 (JSON text must be UTF-8)") from None
     try:
-        obj = json.loads(text, parse_constant=keep_constant)
+        obj = json.loads(text)
     except (ValueError, RecursionError):
         # orjson's column is the useful part. A line cut short and ending in its newline reads to orjson
         # as ending on a second, empty line ("line 2, column 1"): the column is then taken without it.
@@ -580,24 +570,22 @@ def _parse_float_list(value, field: str, num_tokens: int, where: _Where,
 
 
 def _parse_logprobs(value, field: str, num_tokens: int, where: _Where, may_hold_bool: bool,
-                    unread: np.ndarray | None) -> tuple[np.ndarray | None, int]:
+                    unread: np.ndarray | None) -> np.ndarray | None:
     """`old_logprobs` / `ref_logprobs`: `_parse_float_list`, except that positions no loss reads (`unread`:
     index 0, loss_mask 0) may hold null, NaN, an infinity or a number beyond float32, stored as 0.0.
 
     That is what `harts run --logprobs-out` writes there (NaN, which orjson writes as null and Python's
-    json as the literal NaN), so a run's log-probabilities pass back as the next step's input. Also
-    returns how many NaN / Infinity literals were so accepted: any others on the line sit in fields
-    HARTS ignores, and the line is still not JSON. Only lists holding such a value take the slower path.
+    json as the literal NaN), so a run's log-probabilities pass back as the next step's input. Only lists
+    holding such a value take the slower path.
     """
-    literals = 0
     if unread is None or type(value) is not list or len(value) != num_tokens:   # absent, or an error
-        return _parse_float_list(value, field, num_tokens, where, may_hold_bool, _FIX_LOGPROBS), literals
+        return _parse_float_list(value, field, num_tokens, where, may_hold_bool, _FIX_LOGPROBS)
     if may_hold_bool and _holds_bool(value):
         # An error (numpy would read the bool as a number, so it is found first): name it, not a value
         # that may stand where it stands.
         value = [0.0 if unread[i] and (x is None or (type(x) is float and not _finite_float32(x))) else x
                  for i, x in enumerate(value)]
-        return _parse_float_list(value, field, num_tokens, where, may_hold_bool, _FIX_LOGPROBS), literals
+        return _parse_float_list(value, field, num_tokens, where, may_hold_bool, _FIX_LOGPROBS)
     array = _numeric_array(value)
     if array is not None and array.ndim == 1 and array.dtype == object:
         # A null somewhere (or a non-number, which _parse_float_list reports): 0.0 where never read.
@@ -611,11 +599,10 @@ def _parse_logprobs(value, field: str, num_tokens: int, where: _Where, may_hold_
             narrow = array.astype(np.float32)   # what _parse_float_list checks (and then keeps, not copies)
         skipped = ~np.isfinite(narrow) & unread
         if skipped.any():
-            literals = int((~np.isfinite(array) & skipped).sum())   # NaN / Infinity, not 1e39
             narrow[skipped] = 0.0
             value = narrow.tolist()
         array = narrow
-    return _parse_float_list(value, field, num_tokens, where, may_hold_bool, _FIX_LOGPROBS, array), literals
+    return _parse_float_list(value, field, num_tokens, where, may_hold_bool, _FIX_LOGPROBS, array)
 
 
 def _numeric_array(value: list) -> np.ndarray | None:
