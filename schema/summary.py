@@ -128,6 +128,15 @@ def step_total_balance(work: np.ndarray, producers: np.ndarray) -> float:
     return float(totals.mean() / totals.max()) if totals.size and totals.max() > 0 else 1.0
 
 
+def max_rounds(plan: Plan) -> int:
+    """The most sequential linear-attention calls (per layer) of any decoder run the plan schedules: a
+    consumer on its complete layout (windows off), a consumer on its uncached rows, a window producer."""
+    runs = [int(mb["num_rounds"]) for mb in plan.microbatches]
+    runs += [int(mb["residual_num_rounds"]) for mb in plan.microbatches if "residual_num_rounds" in mb]
+    runs += [int(producer["num_rounds"]) for producer in plan.producers or ()]
+    return max(runs, default=0)
+
+
 def plan_statistics(plan: Plan, planning_seconds: float = 0.0, grids: tuple | None = None) -> dict:
     """Every `harts stats` key; `grids`, when given, is this plan's `work_grids` (not recounted)."""
     flags = plan.flags
@@ -149,7 +158,7 @@ def plan_statistics(plan: Plan, planning_seconds: float = 0.0, grids: tuple | No
         "slots": int(work.shape[1]),
         "windows": int(producers.shape[1]),
         "balance": balance(work, producers),
-        "max_rounds": max((int(mb["num_rounds"]) for mb in plan.microbatches), default=0),
+        "max_rounds": max_rounds(plan),
         "capacity": int(flags["capacity"]),
         "chunk_size": int(flags["chunk_size"]),
         "planning_seconds": float(planning_seconds),

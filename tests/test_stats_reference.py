@@ -13,6 +13,7 @@ member whose path first reaches the row (its rectangle term).
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from harts.compiler.ir.trajectories import TrajectoryBatch
@@ -112,3 +113,39 @@ def test_balance_statistics_equal_a_row_by_row_recount(kind, dp, capacity, level
         assert got[key] == pytest.approx(value, rel=1e-12, abs=0), key
     # The recount must have something to disagree about: uneven slots, so P5 differs from the mean.
     assert want["balance_p5"] < want["balance"] < 1.0
+
+
+def _forking_trajectories(seed: int, trial: int) -> tuple[list[list[int]], int, int]:
+    """Small random prefix trees (each trajectory forks from an earlier one), a chunk size and a capacity."""
+    rng = np.random.default_rng(seed)
+    for _ in range(trial + 1):
+        base = [list(rng.integers(3, 60, size=rng.integers(2, 40)))]
+        trajectories = []
+        for _ in range(rng.integers(4, 25)):
+            parent = base[rng.integers(len(base))]
+            t = parent[:rng.integers(1, len(parent) + 1)] + list(rng.integers(3, 60, size=rng.integers(1, 30)))
+            base.append(t)
+            trajectories.append([int(x) for x in t])
+        chunk_size = int(rng.choice([2, 4, 8]))
+        capacity = max(map(len, trajectories)) + int(rng.integers(0, 80))
+        rng.integers(1, 3)   # the dp of the search this case came from; kept so the stream stays the same
+    return trajectories, chunk_size, capacity
+
+
+def _rounds_of_calls(sequence_round) -> int:
+    """Sequential calls of one decoder run, from its call table: one per distinct round index."""
+    return len(np.unique(np.asarray(sequence_round)))
+
+
+def test_max_rounds_counts_every_decoder_run_the_plan_schedules():
+    # Seed 1, trial 4: a window producer runs 3 rounds where every consumer's complete layout runs 2 (found
+    # by a random search); max_rounds must count the producer's (and the consumers' residual) calls too.
+    trajectories, chunk_size, capacity = _forking_trajectories(1, 4)
+    batch = TrajectoryBatch.from_token_lists(trajectories, ids=list(range(len(trajectories))))
+    plan = compile_batch(batch, CompileOptions(capacity=capacity, chunk_size=chunk_size, levels="l1+l2")).plan
+    complete = max(_rounds_of_calls(mb["sequence_round"]) for mb in plan.microbatches)
+    others = [_rounds_of_calls(p["sequence_round"]) for p in plan.producers]
+    others += [_rounds_of_calls(mb["residual_sequence_round"]) for mb in plan.microbatches
+               if "residual_sequence_round" in mb]
+    assert max(others) > complete, "the case no longer has a run longer than the complete layouts'"
+    assert plan_statistics(plan)["max_rounds"] == max(others)
