@@ -8,6 +8,7 @@ import time
 
 from harts.compiler.passes.partition_ffd import SHARD_UNITS
 from harts.compiler.ir.trajectories import positive_logprob_warnings
+from harts.console import run_command
 from harts.compiler.pipeline import LEVELS, PLANNERS, CompileOptions, check_options, compile_batch
 from harts.progress import terminal_progress
 from harts.text import plural
@@ -80,12 +81,7 @@ def idle_flag_warnings(args, parser, options: CompileOptions) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return _compile(argv)
-    except KeyboardInterrupt:
-        from harts.cli import INTERRUPTED
-        print(f"hartsc: {INTERRUPTED}", file=sys.stderr)
-        return 130
+    return run_command("hartsc", _compile, argv)
 
 
 def _compile(argv: list[str] | None) -> int:

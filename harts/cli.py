@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from harts.console import run_command
+
 SUBCOMMANDS = {
     "demo": ("harts.tools.demo", "generate, compile, check and run a small step on a tiny model, end to end"),
     "stats": ("harts.tools.stats", "summarise a plan (--json for one JSON object)"),
@@ -14,11 +16,6 @@ SUBCOMMANDS = {
     "diff": ("harts.tools.diff", "what changed between two plans (--json for one JSON object)"),
     "viz": ("harts.tools.viz", "write a self-contained HTML page of plots of a plan"),
 }
-
-
-# Ctrl-C is a request, not a crash: one line instead of a traceback. Every output is renamed into place only
-# when complete (`harts.schema.atomic`), so an interrupt never leaves a half-written file.
-INTERRUPTED = "interrupted; no output is left half-written"
 
 
 def usage() -> str:
@@ -38,17 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"harts: unknown subcommand '{name}'; fix: use one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         return 2
-    try:
-        module = importlib.import_module(SUBCOMMANDS[name][0])
-        return module.main(rest)
-    except KeyboardInterrupt:
-        print(f"harts {name}: {INTERRUPTED}", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        # `harts stats PLAN | head`: the reader left; that is not an error.
-        import os
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    return run_command(f"harts {name}", lambda rest: importlib.import_module(SUBCOMMANDS[name][0]).main(rest), rest)
 
 
 if __name__ == "__main__":

@@ -122,17 +122,34 @@ def _remove_empty(folders: list[Path]) -> None:
             return
 
 
+class _ReportingFile:
+    """A temporary output file whose failed writes (a full disk, a file-size limit) raise `OutputError`
+    naming the output, not a bare OSError; everything else is the file's own."""
+
+    def __init__(self, file, path: Path):
+        self._file, self._path = file, path
+
+    def write(self, data) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as err:
+            raise OutputError(self._path, _reason(err), "free disk space or choose another folder") from err
+
+    def __getattr__(self, name: str):
+        return getattr(self._file, name)
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike):
     """Yield a binary file; on success it is fsynced and renamed to `path`, on error removed.
 
-    Failures of creating, syncing or renaming the file raise `OutputError`;
-    an exception raised by the caller's writing passes through unchanged.
+    Failures of creating, writing, syncing or renaming the file raise `OutputError`;
+    any other exception raised by the caller's writing passes through unchanged.
     """
     fd, tmp, path, created = _temporary_beside(check_output_path(path))
     try:
         with os.fdopen(fd, "wb") as out:
-            yield out
+            yield _ReportingFile(out, path)
             try:
                 out.flush()
                 os.fsync(out.fileno())

@@ -76,7 +76,8 @@ producers[p] (only with ``--levels l1+l2``; absent otherwise)
     deduplicated into its rows. A producer runs the decoder only (no LM head,
     no loss); every row it computes is used by at least two consumers.
 summary
-    the deterministic statistics of `harts stats` (timings excluded).
+    reserved; written empty ({}). `harts stats` computes every statistic from
+    the arrays above (`harts.schema.summary`), so no stored copy can disagree.
 
 Reading: `decode_plan` checks the file format (magic, version, checksum,
 msgpack); `read_plan` adds `validate_plan` (`harts.schema.plan_structure`),

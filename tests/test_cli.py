@@ -218,3 +218,50 @@ def test_flags_the_chosen_planner_never_reads_are_warned_about(tmp_path, trees, 
     warnings = [line.removeprefix("hartsc: warning: ") for line in capsys.readouterr().err.splitlines()
                 if line.startswith("hartsc: warning: ")]
     assert [w.split(" (")[0] for w in warnings] == warned
+
+
+def _command(*args: str) -> list[str]:
+    return [sys.executable, "-c", "import sys; from harts.cli import main; sys.exit(main(sys.argv[1:]))", *args]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/full is Linux's")
+@pytest.mark.parametrize("args", [["stats", "{plan}", "--json"], ["diff", "{plan}", "{other}"]], ids=["stats", "diff"])
+def test_standard_output_on_a_full_disk_is_one_line(tmp_path, trees, args):
+    plan, other = tmp_path / "a.plan", tmp_path / "b.plan"
+    assert hartsc_main([str(trees), "-o", str(plan), "--chunk-size", "4", "--capacity", "32"]) == 0
+    assert hartsc_main([str(trees), "-o", str(other), "--chunk-size", "2", "--capacity", "32"]) == 0
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(_command(*(a.format(plan=plan, other=other) for a in args)), stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [f"harts {args[0]}: cannot write standard output: No space left on device; "
+                                        "fix: free disk space, or send the output somewhere else"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/full is Linux's")
+def test_hartsc_json_on_a_full_disk_is_one_line_after_a_complete_plan(tmp_path, trees):
+    plan = tmp_path / "a.plan"
+    compile_command = [sys.executable, "-c", "import sys; from harts.compiler.cli import main; sys.exit(main(sys.argv[1:]))",
+                       str(trees), "-o", str(plan), "--chunk-size", "4", "--capacity", "32", "--json"]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(compile_command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 2 and "hartsc: cannot write standard output" in done.stderr.splitlines()[-1]
+    assert "Traceback" not in done.stderr
+    read_plan(plan)   # written whole before the summary
+
+
+def test_diff_exit_code_survives_a_reader_that_leaves(tmp_path, trees):
+    # `harts diff --exit-code A B | head -1` under `set -o pipefail` must still say "different".
+    plan, other = tmp_path / "a.plan", tmp_path / "b.plan"
+    assert hartsc_main([str(trees), "-o", str(plan), "--chunk-size", "4", "--capacity", "32"]) == 0
+    assert hartsc_main([str(trees), "-o", str(other), "--chunk-size", "2", "--capacity", "32"]) == 0
+    reader_gone = subprocess.Popen(_command("diff", str(plan), str(other), "--exit-code"), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+    reader_gone.stdout.close()   # before the command writes anything: its first write meets a closed pipe
+    stderr = reader_gone.stderr.read()
+    assert reader_gone.wait(timeout=120) == 1, stderr
+    assert stderr == ""
+    same = subprocess.Popen(_command("diff", str(plan), str(plan), "--exit-code"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    same.stdout.close()
+    assert same.wait(timeout=120) == 0 and same.stderr.read() == ""

@@ -434,3 +434,23 @@ def test_any_small_config_gives_valid_prefix_structured_samples(
     for r in records:
         by_tree[r["tree"]].append(r["tokens"])
     assert stats.trie_tokens == sum(_trie_tokens(seqs) for seqs in by_tree.values())
+
+
+def _file_size_limit_of_4_kib():
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a write past the limit then fails with EFBIG, as on a full disk
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE semantics are Linux's")
+@pytest.mark.parametrize("name", ["trees.jsonl", "trees.jsonl.zst"])
+def test_a_write_that_fails_midway_is_one_line_naming_the_file(tmp_path, name):
+    done = subprocess.run([sys.executable, "-c", "import sys; from harts.cli import main; sys.exit(main(sys.argv[1:]))",
+                           "gen", "-o", str(tmp_path / name)], preexec_fn=_file_size_limit_of_4_kib,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"harts gen: error: cannot write {tmp_path / name}: File too large; "
+                                        "fix: free disk space or choose another folder"]
+    assert os.listdir(tmp_path) == []
