@@ -424,7 +424,12 @@ def _loads_nonstandard(line: bytes, where: _Where, err: orjson.JSONDecodeError):
                           "save the file as UTF-8 (JSON text must be UTF-8)") from None
     try:
         obj = json.loads(text)
-    except (ValueError, RecursionError):
+    except RecursionError:
+        # Valid JSON, but nested deeper than both readers go: Python's json stops near 1000 levels, orjson
+        # at 1024 since 3.9 (older orjson reads any depth, and never gets here).
+        raise where.error(None, "the line nests arrays or objects deeper than the JSON reader goes (about 1000 "
+                                "levels)", "write that field flatter, or leave it out") from None
+    except ValueError:
         # orjson's column is the useful part. A line cut short and ending in its newline reads to orjson
         # as ending on a second, empty line ("line 2, column 1"): the column is then taken without it.
         if getattr(err, "lineno", 1) > 1:
