@@ -74,9 +74,13 @@ def test_different_capacity_moves_trajectories_by_id(plans, capsys):
     moved = result["membership"]["moved"]
     assert moved and "membership" in result["changed"]
     where_b = {tid: i for i, mb in enumerate(b.microbatches) for tid in (b.step["ids"][t] for t in mb["member_trajectory"])}
+    where_a = {tid: i for i, mb in enumerate(a.microbatches) for tid in (a.step["ids"][t] for t in mb["member_trajectory"])}
     for move in moved:
         assert where_b[move["id"]] == move["to"]["microbatch"]
         assert move["id"] in a.step["ids"]
+        # A move is into a B microbatch standing for another A microbatch, or for none (a new one).
+        assert move["to_matches"] != where_a[move["id"]]
+        assert move["to_matches"] is None or move["to"]["microbatch"] not in result["membership"]["unmatched_b"]
     out = run_diff(capsys, plans["dp4"], plans["dp4_small"])
     assert f"membership: {len(moved)} of" in out
     assert str(moved[0]["id"]) in out
@@ -97,7 +101,7 @@ def test_json_is_one_object_with_every_section(plans, capsys):
         assert set(data["statistics"][key]) == {"a", "b", "delta"}
     assert data["windows"]["a"]["count"] == 0 and data["windows"]["b"]["spans"] == []
     assert set(data["membership"]) == {"moved", "unmatched_a", "unmatched_b"}
-    assert all(set(m) == {"id", "from", "to"} for m in data["membership"]["moved"])
+    assert all(set(m) == {"id", "from", "to", "to_matches"} for m in data["membership"]["moved"])
 
 
 def test_unreadable_plan_is_one_line_and_nonzero(plans, tmp_path, capsys):

@@ -6,8 +6,10 @@ placement (replica, slot), sharing windows, rounds and the statistics of
 by shared members (greedily, largest overlap first); a trajectory "moved" when
 it sits in B's microbatch that matches a different microbatch of A than its own
 (or none). The terminal output shows only what changed; `--json` prints one
-object with every section. The exit status is 0 whether or not the plans
-differ, non-zero only when a plan cannot be read.
+object with every section; each moved trajectory also names the A
+microbatch its B microbatch matches (`to_matches`, null for a new one). The
+exit status is 0 whether or not the plans differ (with `--exit-code`, 1 when
+their bytes differ), 2 when a plan cannot be read.
 """
 from __future__ import annotations
 
@@ -82,7 +84,10 @@ def diff_plans(a: Plan, b: Plan, identical_bytes: bool = False) -> dict:
     moved = []
     for t, j in where_b.items():
         if t in where_a and match.get(j) != where_a[t]:
-            moved.append({"id": t, "from": microbatch_place(a, where_a[t]), "to": microbatch_place(b, j)})
+            # `to_matches`: the A microbatch B's microbatch stands for (None: a new one), so a move into a B
+            # microbatch that happens to share its number with the source reads as what it is.
+            moved.append({"id": t, "from": microbatch_place(a, where_a[t]), "to": microbatch_place(b, j),
+                          "to_matches": match.get(j)})
     moved.sort(key=lambda x: (x["from"]["microbatch"], x["to"]["microbatch"]))  # stable: plan order within
     placement = []
     for j, i in sorted(match.items(), key=lambda item: item[1]):
@@ -199,13 +204,14 @@ def format_diff(d: dict, name_a: str, name_b: str, limit: int) -> str:
                       "(microbatches matched by shared members)"]
         flows: dict[tuple, list] = {}
         for x in m["moved"]:
-            flows.setdefault((place(x["from"]), place(x["to"])), []).append(trajectory_label(x["id"]))
+            counterpart = "none (new)" if x["to_matches"] is None else f"mb {x['to_matches']}"
+            flows.setdefault((place(x["from"]), place(x["to"]), counterpart), []).append(trajectory_label(x["id"]))
         rows = []
-        for (before, after), ids in list(flows.items())[:limit]:
+        for (before, after, counterpart), ids in list(flows.items())[:limit]:
             listed = ", ".join(ids[:3]) + (f", ... (+{len(ids) - 3})" if len(ids) > 3 else "")
-            rows.append([before, after, str(len(ids)), listed])
+            rows.append([before, after, counterpart, str(len(ids)), listed])
         if rows:
-            lines += table(rows, ["from (A)", "to (B)", "n", "trajectory ids"], "llrl")
+            lines += table(rows, ["from (A)", "to (B)", "B's match in A", "n", "trajectory ids"], "lllrl")
             more(len(flows))
         for side, other in (("a", "B"), ("b", "A")):
             unmatched = m[f"unmatched_{side}"]
