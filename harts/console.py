@@ -30,7 +30,7 @@ def run_command(prog: str, command: Callable[[list[str] | None], int], argv: lis
     except KeyboardInterrupt:
         print(f"{prog}: {INTERRUPTED}", file=sys.stderr)
         return 130
-    except OutputError as err:   # standard output only: every file output reports its own
+    except OutputError as err:   # standard output's (commands report their files' themselves)
         print(f"{prog}: {err}", file=sys.stderr)
         return err.exit_code
 
