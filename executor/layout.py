@@ -55,6 +55,11 @@ class RoundCall:
     export_chunk: torch.Tensor  # [E_r] whole chunks before the export
     export_ids: torch.Tensor    # [E_r] global export index of each
     start_external: torch.Tensor | None = None  # [S] producer export to start from, -1 for none (windows only)
+    # Host facts that spare the runner a gather: (first, end) when token_rows is the range first..end-1
+    # (a slice reads it, and its backward scatters nothing), else None; and whether every packed token
+    # is an output (no replay), in which case output_tokens is 0..N-1.
+    token_range: tuple[int, int] | None = None
+    outputs_are_all_tokens: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -171,8 +176,10 @@ def _calls(sequences: list[tuple[np.ndarray, int]], sequence_round: np.ndarray, 
         replay = np.array([sequences[q][1] for q in group], dtype=np.int64)
         outputs = expand_runs(cu[:-1] + replay, lengths - replay)
         exports = np.flatnonzero(np.isin(export_sequence, group))
+        token_rows = np.concatenate(tokens)
+        contiguous = len(token_rows) > 0 and bool(np.all(np.diff(token_rows) == 1))
         rounds.append(RoundCall(
-            token_rows=_long(np.concatenate(tokens)),
+            token_rows=_long(token_rows),
             cu_seqlens=_long(cu),
             output_tokens=_long(outputs),
             start_state=_long(start_state[group]),
@@ -180,6 +187,9 @@ def _calls(sequences: list[tuple[np.ndarray, int]], sequence_round: np.ndarray, 
             export_chunk=_long(export_chunk[exports]),
             export_ids=_long(exports),
             start_external=None if start_external is None else _long(start_external[group]),
+            token_range=(int(token_rows[0]), int(token_rows[-1]) + 1) if contiguous else None,
+            # Outputs are distinct packed indices, so as many as the tokens means all of them, in order.
+            outputs_are_all_tokens=len(outputs) == len(token_rows),
         ))
         listed_rows += [output_rows[q] for q in group]
     output_order = None

@@ -138,17 +138,21 @@ class RowRunner:
                 zero = q.new_zeros(v.shape[1], q.shape[2], v.shape[2], dtype=state_dtype)
                 initial_state = torch.stack([states[i] if i >= 0 else producer_states[e] if e >= 0 else zero
                                              for i, e in zip(internal, external)])
+            if call.token_range is not None:   # a view: no gather forward, no scatter backward
+                first, end = call.token_range
+                inputs = [x[first:end] for x in (q, k, v, g, beta)]
+            else:
+                inputs = [x.index_select(0, rows) for x in (q, k, v, g, beta)]
             o, exported = linear_attention_round(
-                q[rows], k[rows], v[rows], g[rows], beta[rows], call.cu_seqlens, initial_state,
-                call.export_sequence, call.export_chunk, chunk_size=self.chunk_size,
-                use_qk_l2norm_in_kernel=True)
+                *inputs, call.cu_seqlens, initial_state, call.export_sequence, call.export_chunk,
+                chunk_size=self.chunk_size, use_qk_l2norm_in_kernel=True)
             for j, export_id in enumerate(call.export_ids.tolist()):
                 states[export_id] = exported[j]
-            pieces.append(o[call.output_tokens])
+            pieces.append(o if call.outputs_are_all_tokens else o.index_select(0, call.output_tokens))
         window.record_states(index, states)
         if not pieces:
             return v.new_zeros(0, *v.shape[1:])
-        o_RHV = torch.cat(pieces)
+        o_RHV = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         if calls.output_order is not None:
-            o_RHV = o_RHV[calls.output_order]
+            o_RHV = o_RHV.index_select(0, calls.output_order)
         return o_RHV
