@@ -360,14 +360,15 @@ def test_a_query_subset_must_leave_out_a_prefix_of_each_view():
 
 
 def test_default_block_tokens_grows_tiles_on_an_accelerator_within_the_score_budget():
-    from harts.executor.ops.ancestor_attention import DEFAULT_BLOCK_TOKENS, default_block_tokens
-    from harts.executor.ops.ancestor_attention.blocked import ACCELERATOR_SCORE_TILE_BYTES
+    from harts.executor.ops.ancestor_attention import CPU_BLOCK_TOKENS, default_block_tokens
+    from harts.executor.ops.ancestor_attention.blocked import (ACCELERATOR_MIN_BLOCK_TOKENS,
+                                                               ACCELERATOR_SCORE_TILE_BYTES)
 
     # On a CPU arithmetic dominates and the masked half of a larger diagonal tile would cost time.
-    assert default_block_tokens(torch.device("cpu"), 1) == DEFAULT_BLOCK_TOKENS
+    assert default_block_tokens(torch.device("cpu"), 1) == default_block_tokens(torch.device("cpu"), 128) == CPU_BLOCK_TOKENS
     accelerator = torch.device("cuda")   # a device object only
     picked = {heads: default_block_tokens(accelerator, heads) for heads in (1, 4, 8, 32, 128)}
     assert picked == {1: 8192, 4: 4096, 8: 2048, 32: 1024, 128: 1024}
-    for heads, block in picked.items():   # the largest power of two in budget, never below the CPU's
-        assert block == DEFAULT_BLOCK_TOKENS or heads * block ** 2 * 4 <= ACCELERATOR_SCORE_TILE_BYTES
+    for heads, block in picked.items():   # the largest power of two in budget, never below the floor
+        assert block == ACCELERATOR_MIN_BLOCK_TOKENS or heads * block ** 2 * 4 <= ACCELERATOR_SCORE_TILE_BYTES
         assert block == 8192 or heads * (2 * block) ** 2 * 4 > ACCELERATOR_SCORE_TILE_BYTES

@@ -6,9 +6,9 @@ is its specification. `AttentionViews` (built once per microbatch from the
 plan arrays) says which rows each query reads.
 """
 
-from .blocked import DEFAULT_BLOCK_TOKENS, ancestor_attention, default_block_tokens
+from .blocked import CPU_BLOCK_TOKENS, ancestor_attention, default_block_tokens
 from .naive import naive_ancestor_attention
 from .views import AttentionViews
 
-__all__ = ["AttentionViews", "DEFAULT_BLOCK_TOKENS", "ancestor_attention", "default_block_tokens",
+__all__ = ["AttentionViews", "CPU_BLOCK_TOKENS", "ancestor_attention", "default_block_tokens",
            "naive_ancestor_attention"]

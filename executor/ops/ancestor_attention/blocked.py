@@ -33,9 +33,15 @@ from .views import AttentionViews
 from harts.executor.ops.dtypes import compute_dtype_for
 from harts.executor.ops.transfer import to_device
 
-# 1024 keeps one float32 score tile of 32 heads at 128 MiB while making the
-# matmuls big enough that Python overhead per tile is negligible on a CPU.
-DEFAULT_BLOCK_TOKENS = 1024
+# On a CPU: 768. Arithmetic dominates there, and the masked half of a diagonal tile is wasted
+# arithmetic, so smaller tiles pay as long as each matmul stays large enough to hide the Python
+# overhead per tile. `python benchmarks/bench_attention_blocks.py --blocks 768,512,1024 --repeat 7`
+# (forward + backward over whole steps): 768 took 0.79x-0.91x the time of 1024 for 2 heads of 24
+# and 16 heads of 128 on both workloads, 512 0.82x-0.95x; in a wider run 256 did no better than 768
+# and 2048 took 1.03x-1.25x.
+CPU_BLOCK_TOKENS = 768
+# The smallest B on an accelerator: one float32 score tile of 32 heads at 128 MiB.
+ACCELERATOR_MIN_BLOCK_TOKENS = 1024
 # On an accelerator a small model's step is bound by kernel launches, not arithmetic (the lent
 # H200 ran tiny Kimi Linear at a third of the speed its compression predicts), and each tile and
 # key chunk launches some fifteen kernels forward and twenty backward. There tiles grow, in powers
@@ -45,12 +51,12 @@ ACCELERATOR_MAX_BLOCK_TOKENS = 8192
 
 
 def default_block_tokens(device: torch.device, num_heads: int) -> int:
-    """B for `ancestor_attention` on `device` with `num_heads` query heads: DEFAULT_BLOCK_TOKENS on a
-    CPU; on an accelerator the largest power of two up to ACCELERATOR_MAX_BLOCK_TOKENS whose
-    float32 score tile fits ACCELERATOR_SCORE_TILE_BYTES (never below DEFAULT_BLOCK_TOKENS)."""
-    block = DEFAULT_BLOCK_TOKENS
+    """B for `ancestor_attention` on `device` with `num_heads` query heads: CPU_BLOCK_TOKENS on a
+    CPU; on an accelerator the largest power of two up to ACCELERATOR_MAX_BLOCK_TOKENS whose float32
+    score tile fits ACCELERATOR_SCORE_TILE_BYTES (never below ACCELERATOR_MIN_BLOCK_TOKENS)."""
     if device.type == "cpu":
-        return block
+        return CPU_BLOCK_TOKENS
+    block = ACCELERATOR_MIN_BLOCK_TOKENS
     while 2 * block <= ACCELERATOR_MAX_BLOCK_TOKENS and num_heads * (2 * block) ** 2 * 4 <= ACCELERATOR_SCORE_TILE_BYTES:
         block *= 2
     return block
