@@ -274,14 +274,15 @@ def pack_replica(model: PrefixCostModel, capacity: int, *, time_budget_s: float,
         while v > 0 and not covered[v, b]:
             covered[v, b] = True
             v = int(trie.parent[v])
+    # Hints as ints: a hint is a protobuf int field, and protobuf 7 refuses a bool there.
     for b in range(bins):
-        cp.AddHint(used[b], True)
+        cp.AddHint(used[b], 1)
     for i in range(n):
         for b, xb in enumerate(x[i]):
-            cp.AddHint(xb, b == hint_of[i])
+            cp.AddHint(xb, int(b == hint_of[i]))
     for v in nodes.tolist():
         for b in range(bins):
-            cp.AddHint(paid[v][b], bool(covered[v, b]))
+            cp.AddHint(paid[v][b], int(covered[v, b]))
 
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
