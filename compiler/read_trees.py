@@ -425,8 +425,9 @@ def _loads_nonstandard(line: bytes, where: _Where, err: orjson.JSONDecodeError):
     try:
         obj = json.loads(text)
     except RecursionError:
-        # Valid JSON, but nested deeper than both readers go: Python's json stops near 1000 levels, orjson
-        # at 1024 since 3.9 (older orjson reads any depth, and never gets here).
+        # Valid JSON, but nested deeper than Python's json goes (near 1000 levels). orjson read the line
+        # first: since 3.9 it stops at 1024 levels; older versions read any depth, so a deep line gets
+        # here with them only when orjson refused something else on it (a NaN literal).
         raise where.error(None, "the line nests arrays or objects deeper than the JSON reader goes (about 1000 "
                                 "levels)", "write that field flatter, or leave it out") from None
     except ValueError:

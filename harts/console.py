@@ -3,12 +3,16 @@
 * Ctrl-C is a request, not a crash: exit 130. Every output is renamed into
   place only when complete (`harts.schema.atomic`), so an interrupt never
   leaves a half-written file.
-* A reader that leaves early (`harts stats PLAN | head`) is not an error: the
-  rest of the output is discarded and the command still returns its own
-  status (`harts diff --exit-code A B | head` exits 1 for different plans).
+* A reader that leaves early (`harts stats PLAN | head`, `harts run ... 2>&1 |
+  head`) is not an error: the rest of that stream's output is discarded and
+  the command still returns its own status (`harts diff --exit-code A B |
+  head` exits 1 for different plans).
 * A write to standard output that fails for another reason (a full disk
   behind `> stats.json`) is an `OutputError` naming standard output, exit 2,
-  like any other output HARTS cannot write.
+  like any other output HARTS cannot write. Standard error has nowhere to
+  report its own failure: its output is then discarded.
+* A stream closed at startup (`>&-`: Python's `sys.stdout` is None) stays as
+  Python leaves it: printing to it does nothing.
 """
 from __future__ import annotations
 
@@ -23,9 +27,9 @@ INTERRUPTED = "interrupted; no output is left half-written"
 
 
 def run_command(prog: str, command: Callable[[list[str] | None], int], argv: list[str] | None) -> int:
-    """`command(argv)`'s status, with standard output guarded and an interrupt reported as above."""
+    """`command(argv)`'s status, with both streams guarded and an interrupt reported as above."""
     try:
-        with _guarded_stdout():
+        with _guarded_streams():
             return command(argv)
     except KeyboardInterrupt:
         print(f"{prog}: {INTERRUPTED}", file=sys.stderr)
@@ -35,12 +39,13 @@ def run_command(prog: str, command: Callable[[list[str] | None], int], argv: lis
         return err.exit_code
 
 
-class _GuardedStdout:
-    """The real stream, except that a closed pipe silences the rest of the output and any other
-    failed write raises an OutputError naming standard output."""
+class _GuardedStream:
+    """The real stream, except that a closed pipe silences the rest of its output, and any other failed
+    write raises an OutputError naming standard output (`report`) or is dropped (standard error)."""
 
-    def __init__(self, stream):
+    def __init__(self, stream, report: bool):
         self._stream = stream
+        self._report = report
         self.reader_left = False
 
     def write(self, text: str) -> int:
@@ -56,14 +61,13 @@ class _GuardedStdout:
     def _call(self, method, *args):
         try:
             return method(*args)
-        except BrokenPipeError:
-            self.reader_left = True
-            _discard_the_rest(self._stream)
-            return None
         except OSError as err:
+            self.reader_left = True   # from here on this stream's output goes nowhere
             _discard_the_rest(self._stream)
-            raise OutputError("standard output", err.strerror or str(err),
-                              "free disk space, or send the output somewhere else") from None
+            if self._report and not isinstance(err, BrokenPipeError):
+                raise OutputError("standard output", err.strerror or str(err),
+                                  "free disk space, or send the output somewhere else") from None
+            return None
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
@@ -71,7 +75,7 @@ class _GuardedStdout:
 
 def _discard_the_rest(stream) -> None:
     """Point the stream's descriptor at /dev/null: what its buffer still holds then goes nowhere when
-    Python flushes standard output on exit, instead of failing a second time there."""
+    Python flushes it on exit, instead of failing a second time there."""
     try:
         descriptor = stream.fileno()
     except (OSError, ValueError, AttributeError):   # a stream without a descriptor (pytest's capture)
@@ -82,12 +86,15 @@ def _discard_the_rest(stream) -> None:
 
 
 @contextlib.contextmanager
-def _guarded_stdout():
-    stream = sys.stdout
-    guard = _GuardedStdout(stream)
-    sys.stdout = guard
+def _guarded_streams():
+    streams = sys.stdout, sys.stderr
+    # A stream closed at startup is None: left so, as printing to None does nothing.
+    guards = [None if stream is None else _GuardedStream(stream, report=stream is streams[0]) for stream in streams]
+    sys.stdout, sys.stderr = guards
     try:
-        yield guard
-        guard.flush()   # inside the guard: a full disk is reported here, not as Python exits
+        yield
+        for guard in guards:   # inside the guard: a full disk is reported here, not as Python exits
+            if guard is not None:
+                guard.flush()
     finally:
-        sys.stdout = stream
+        sys.stdout, sys.stderr = streams

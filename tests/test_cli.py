@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -265,3 +266,22 @@ def test_diff_exit_code_survives_a_reader_that_leaves(tmp_path, trees):
                             stderr=subprocess.PIPE, text=True)
     same.stdout.close()
     assert same.wait(timeout=120) == 0 and same.stderr.read() == ""
+
+
+def test_a_stream_closed_at_startup_is_left_alone(tmp_path, trees):
+    # `harts stats PLAN >&-`: Python starts with sys.stdout None, and printing to None does nothing.
+    plan = tmp_path / "a.plan"
+    assert hartsc_main([str(trees), "-o", str(plan), "--chunk-size", "4", "--capacity", "32"]) == 0
+    done = subprocess.run(_command("stats", str(plan)), preexec_fn=lambda: os.close(1), stderr=subprocess.PIPE,
+                          text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_a_reader_of_standard_error_that_leaves_is_not_an_error(tmp_path):
+    # `harts gen -o x.jsonl 2>&1 | head`: the summary line meets a closed pipe after the file is written.
+    out = tmp_path / "trees.jsonl"
+    gone = subprocess.Popen(_command("gen", "--tasks", "1", "-o", str(out)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    gone.stderr.close()
+    assert gone.wait(timeout=300) == 0
+    assert out.stat().st_size > 0
