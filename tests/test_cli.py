@@ -222,7 +222,7 @@ def test_flags_the_chosen_planner_never_reads_are_warned_about(tmp_path, trees, 
 
 
 def _command(*args: str) -> list[str]:
-    return [sys.executable, "-c", "import sys; from harts.cli import main; sys.exit(main(sys.argv[1:]))", *args]
+    return [sys.executable, "-m", "harts.cli", *args]   # the `harts` console script's own entry
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/full is Linux's")
@@ -242,8 +242,8 @@ def test_standard_output_on_a_full_disk_is_one_line(tmp_path, trees, args):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/dev/full is Linux's")
 def test_hartsc_json_on_a_full_disk_is_one_line_after_a_complete_plan(tmp_path, trees):
     plan = tmp_path / "a.plan"
-    compile_command = [sys.executable, "-c", "import sys; from harts.compiler.cli import main; sys.exit(main(sys.argv[1:]))",
-                       str(trees), "-o", str(plan), "--chunk-size", "4", "--capacity", "32", "--json"]
+    compile_command = [sys.executable, "-m", "harts.compiler.cli", str(trees), "-o", str(plan), "--chunk-size", "4",
+                       "--capacity", "32", "--json"]
     with open("/dev/full", "w") as full:
         done = subprocess.run(compile_command, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
     assert done.returncode == 2 and "hartsc: cannot write standard output" in done.stderr.splitlines()[-1]

@@ -447,8 +447,8 @@ def _file_size_limit_of_4_kib():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE semantics are Linux's")
 @pytest.mark.parametrize("name", ["trees.jsonl", "trees.jsonl.zst"])
 def test_a_write_that_fails_midway_is_one_line_naming_the_file(tmp_path, name):
-    done = subprocess.run([sys.executable, "-c", "import sys; from harts.cli import main; sys.exit(main(sys.argv[1:]))",
-                           "gen", "-o", str(tmp_path / name)], preexec_fn=_file_size_limit_of_4_kib,
+    done = subprocess.run([sys.executable, "-m", "harts.cli", "gen", "-o", str(tmp_path / name)],
+                          preexec_fn=_file_size_limit_of_4_kib,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert done.stderr.splitlines() == [f"harts gen: error: cannot write {tmp_path / name}: File too large; "

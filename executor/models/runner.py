@@ -129,7 +129,6 @@ class RowRunner:
         state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         pieces = []
         for call in calls.rounds:
-            rows = call.token_rows
             internal = call.start_state.tolist()
             external = call.start_external.tolist() if call.start_external is not None else [-1] * len(internal)
             initial_state = None
@@ -142,7 +141,7 @@ class RowRunner:
                 first, end = call.token_range
                 inputs = [x[first:end] for x in (q, k, v, g, beta)]
             else:
-                inputs = [x.index_select(0, rows) for x in (q, k, v, g, beta)]
+                inputs = [x.index_select(0, call.token_rows) for x in (q, k, v, g, beta)]
             o, exported = linear_attention_round(
                 *inputs, call.cu_seqlens, initial_state, call.export_sequence, call.export_chunk,
                 chunk_size=self.chunk_size, use_qk_l2norm_in_kernel=True)
