@@ -22,6 +22,7 @@ from harts.compiler.passes.partition_microbatches import partition_microbatches
 from harts.compiler.passes.place_windows import L2Options, place_windows, verify_placement
 from harts.compiler.placement import candidates, exchange, scoring
 from harts.compiler.placement import refine as refine_module
+from harts.compiler.placement.refine import _closest_swaps
 from harts.compiler.placement.evaluation import NO_CAP, Evaluation, evaluate, reevaluate
 from harts.compiler.prefix_cost import PrefixCostModel
 from harts.compiler.pipeline import CompileOptions, compile_batch
@@ -680,3 +681,22 @@ def test_recap_lowers_an_overfilled_producer_instead_of_refusing(seed):
     scratch = scoring.Layout("s", moved, cells, window_start, recapped.cap_of_cell)
     assert scoring.score_layout(model, options, scratch, 1, capacity, allow_caps=False)
     assert score[0] == scratch.key[0]
+
+
+def test_closest_swaps_equal_ranking_every_pair():
+    """The push step's swap candidates (found by binary search, so thousands of short runs per consumer stay
+    cheap) are exactly the first pairs of the full quadratic ranking, ties included."""
+    def every_pair(sizes, light, wanted, limit):
+        ranked = sorted((abs(sizes[ra] - ls[rb] - wanted), ra, b, rb)
+                        for b, ls in light for ra in range(len(sizes)) for rb in range(len(ls)) if sizes[ra] > ls[rb])
+        return [t[1:] for t in ranked[:limit]]
+
+    rng = np.random.default_rng(0)
+    for _ in range(1500):
+        top = int(rng.integers(2, 60))      # small ranges: many equal sizes, so ties decide
+        sizes = rng.integers(0, top, size=int(rng.integers(0, 30))).astype(np.int64)
+        light = [(int(b), rng.integers(0, top, size=int(rng.integers(0, 30))).astype(np.int64))
+                 for b in rng.choice(50, size=int(rng.integers(0, 5)), replace=False)]
+        wanted = float(rng.choice([1.0, rng.uniform(1, top), float(rng.integers(1, top)), 2.0 * top]))
+        limit = int(rng.integers(1, 6))
+        assert _closest_swaps(sizes, light, wanted, limit) == every_pair(sizes, light, wanted, limit)

@@ -86,8 +86,11 @@ def _member_runs(members: np.ndarray, lengths: np.ndarray, lcp_consumer: np.ndar
 
 def _run_rows(runs: list[np.ndarray], lengths: np.ndarray, ev: Evaluation) -> np.ndarray:
     """Residual rows each nested chain contributes to its consumer."""
-    return np.array([int((lengths[r] - np.maximum(ev.lcp_consumer[r], ev.cached[r])).sum()) for r in runs],
-                    dtype=np.int64)
+    if not runs:
+        return np.zeros(0, dtype=np.int64)
+    members = np.concatenate(runs)
+    rows = (lengths[members] - np.maximum(ev.lcp_consumer[members], ev.cached[members])).astype(np.int64)
+    return np.add.reduceat(rows, np.cumsum([0] + [len(r) for r in runs[:-1]]))
 
 
 def refine(model: PrefixCostModel, options: L2Options, layout: Layout, dp: int, capacity: int, token_limit: int,
@@ -204,17 +207,49 @@ def _push_moves(model, layout: Layout, ev: Evaluation, a: int, dp: int, capacity
     if len(runs) > 1:
         for r in np.argsort(np.abs(sizes - wanted), kind="stable")[:2].tolist():
             moves += [(runs[r], a, b) for b in light]
-    swaps = []
-    for b in light:
-        light_runs = _member_runs(np.flatnonzero(layout.consumer_of == b), lengths, ev.lcp_consumer)
-        light_sizes = _run_rows(light_runs, lengths, ev)
-        for ra in range(len(runs)):
-            for rb in range(len(light_runs)):
-                if sizes[ra] > light_sizes[rb]:
-                    swaps.append((abs(sizes[ra] - light_sizes[rb] - wanted), ra, b, rb, light_runs))
-    for _, ra, b, rb, light_runs in sorted(swaps, key=lambda t: t[:4])[:4]:
-        moves.append((np.concatenate([runs[ra], -1 - light_runs[rb]]), a, b))
+    light_runs = {b: _member_runs(np.flatnonzero(layout.consumer_of == b), lengths, ev.lcp_consumer) for b in light}
+    light_sizes = [(b, _run_rows(light_runs[b], lengths, ev)) for b in light]
+    for ra, b, rb in _closest_swaps(sizes, light_sizes, wanted, SWAPS_PER_PUSH):
+        moves.append((np.concatenate([runs[ra], -1 - light_runs[b][rb]]), a, b))
     return moves
+
+
+SWAPS_PER_PUSH = 4
+
+
+def _closest_swaps(sizes: np.ndarray, light_sizes: list, wanted: float, limit: int) -> list[tuple[int, int, int]]:
+    """The `limit` swaps (ra, b, rb), run ra of the focus consumer (`sizes[ra]` rows) for a smaller run rb
+    of light consumer b (`light_sizes` lists (b, its runs' sizes)), whose size difference is closest to
+    `wanted`, ordered by (|sizes[ra] - size of rb - wanted|, ra, b, rb).
+
+    Equal to ranking every pair (a quadratic list on many short trajectories: GRPO-like groups with
+    thousands of runs per consumer), from at most 2 x limit x limit candidates per run ra: the `limit`
+    distinct sizes below sizes[ra] nearest to sizes[ra] - wanted on either side, and the first `limit` runs
+    of each. A pair outside them has at least `limit` pairs of its own ra and b ranked before it.
+    """
+    keys, ras, bs, rbs = [], [], [], []
+    for b, light in light_sizes:
+        if not len(light) or not len(sizes):
+            continue
+        by_size = np.argsort(light, kind="stable")                  # by size, then run index
+        values, first, counts = np.unique(light[by_size], return_index=True, return_counts=True)
+        smaller = np.searchsorted(values, sizes, side="left")         # values[:smaller[ra]] < sizes[ra]
+        ideal = np.minimum(np.searchsorted(values, sizes - wanted), smaller)
+        near = ideal[:, None] + np.arange(-limit, limit)
+        ra, column = np.nonzero((near >= 0) & (near < smaller[:, None]))
+        value = near[ra, column]
+        ra, value, k = np.repeat(ra, limit), np.repeat(value, limit), np.tile(np.arange(limit), len(value))
+        kept = k < counts[value]
+        ra, rb = ra[kept], by_size[first[value[kept]] + k[kept]]
+        keys.append(np.abs(sizes[ra] - light[rb] - wanted))
+        ras.append(ra)
+        rbs.append(rb)
+        bs.append(np.full(len(ra), b))
+    if not keys:
+        return []
+    key, ra, b, rb = (np.concatenate(x) for x in (keys, ras, bs, rbs))
+    best = np.lexsort((rb, b, ra, key))[:limit]
+    return list(zip(ra[best].tolist(), b[best].tolist(), rb[best].tolist()))
 
 
 def _pull_moves(model, layout: Layout, ev: Evaluation, b: int, dp: int, capacity: int, slot_max: np.ndarray) -> list:
