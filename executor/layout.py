@@ -79,6 +79,9 @@ class CachedRows:
 
     cached_source: torch.Tensor   # [Cc] producer row of each cached row (consumer rows ascending)
     complete_index: torch.Tensor  # [C]
+    # Host: producer row of each labelled position's row, -1 where the consumer computes the row
+    # (the producer owns the LM-head normalizer of every row it caches).
+    position_source: np.ndarray   # [P]
 
 
 @dataclass(frozen=True, eq=False)
@@ -358,7 +361,8 @@ def _read_producer(mb: dict, complete: ExecLayout) -> ExecLayout:
                    start_external=_array(mb["residual_sequence_producer_state"]))
     return dataclasses.replace(
         complete, calls=calls, views=complete.views.with_queries(is_decoder), decoder_rows=_long(decoder_rows),
-        cached=CachedRows(cached_source=_long(cached_by[cached_rows]), complete_index=_long(complete_index)))
+        cached=CachedRows(cached_source=_long(cached_by[cached_rows]), complete_index=_long(complete_index),
+                          position_source=cached_by[complete.position_row.numpy()]))
 
 
 def producer_layout(producer: dict) -> ExecLayout:

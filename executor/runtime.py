@@ -325,17 +325,21 @@ def _run_microbatch(step: _StepInputs, runner, layout, window, backward: bool) -
         hidden = runner.hidden_states(layout, stats, window)
         flat = layout.position_flat
         reads, labels = layout.position_row, layout.position_label
+        kept = None
         if step.loss_positions_only:
             kept = np.flatnonzero(step.weights[flat] > 0)
             flat, (kept_index,) = flat[kept], to_device([kept], step.device)
             reads, labels = reads.index_select(0, kept_index), labels.index_select(0, kept_index)
         meta = _meta(step.plan, step.offsets, flat, step.weights, step.counts, step.device)
+        # A window consumer's producer owns the normalizers of the rows it caches (computed once per window).
+        supplied = window.supplied_normalizers(kept, step.lm_head_weight, step.with_entropy)
         if step.with_entropy:
-            lam, entropy_P = position_logprobs_and_entropy(hidden, step.lm_head_weight, reads, labels)
+            lam, entropy_P = position_logprobs_and_entropy(hidden, step.lm_head_weight, reads, labels,
+                                                           supplied=supplied)
             meta = dataclasses.replace(meta, entropy=entropy_P.to(torch.float64))
             mb_entropy = (meta.entropy * meta.weight).sum()
         else:
-            lam = position_logprobs(hidden, step.lm_head_weight, reads, labels)
+            lam = position_logprobs(hidden, step.lm_head_weight, reads, labels, supplied=supplied)
             mb_entropy = torch.zeros((), dtype=torch.float64, device=step.device)
         loss = step.loss
         mb_loss = policy_loss(lam, meta, loss)

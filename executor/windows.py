@@ -6,15 +6,20 @@ those rows is a per-layer *interface* the producer records as it goes: the
 short-convolution input (local context) and output (replay inputs), the
 linear-attention gates, the boundary states it exports, full-attention keys
 and values, router logits and choices, and the final hidden states for the
-LM head. Consumers see each interface through one leaf tensor per window
+LM head. The LM head's normalizer of a cached row (its log-sum-exp, and
+entropy when asked for: the [rows, vocabulary] work) is the producer's too,
+computed the first time a consumer reads the row and shared by the window's
+later consumers; a consumer adds only each position's label logit. Consumers see each interface through one leaf tensor per window
 (`detach().requires_grad_()`), so every consumer backward only accumulates
 into the leaves' `.grad`; after the window's last consumer, `backward` sends
 all accumulated interface gradients through the producer graph in a single
 autograd call and the window's caches are released.
 
 The runner asks its `RowSource` for every per-row tensor a non-row-local op
-reads (`complete`) and for the states a round starts from (`start_states`);
-`PASSTHROUGH` (no windows) returns what it is given.
+reads (`complete`) and for the states a round starts from (`start_states`),
+and the step asks it for the normalizers it supplies to the LM head
+(`supplied_normalizers`); `PASSTHROUGH` (no windows) returns what it is
+given and supplies none.
 
 `WindowSchedule` drives this in run order: a window's producer runs just
 before its first consumer that reads it, and its backward just after its
@@ -24,9 +29,12 @@ Legend: P producer rows, C consumer rows, U consumer decoder rows, Cc cached row
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from harts.executor.layout import CachedRows, ExecLayout, has_cached_rows, producer_layout
+from harts.executor.ops.logprobs import SuppliedNormalizers, row_normalizers
+from harts.executor.ops.transfer import to_device
 
 
 class RowSource:
@@ -46,6 +54,12 @@ class RowSource:
     def started(self, embedded: torch.Tensor) -> None:
         """Called with the decoder's first tensor (a producer counts its backward passes there)."""
 
+    def supplied_normalizers(self, positions: np.ndarray | None, weight: torch.Tensor,
+                             with_entropy: bool) -> SuppliedNormalizers | None:
+        """LM-head normalizers of the positions (host indices into the layout's labelled positions; None:
+        all of them) whose rows another computation owns; None: the LM head computes every one."""
+        return None
+
 
 PASSTHROUGH = RowSource()
 
@@ -58,6 +72,11 @@ class ProducerRecord(RowSource):
         self.states: dict = {}      # layer -> exported states
         self.leaves: dict = {}      # (key, layer) -> leaf shared by the window's consumers
         self.state_leaves: dict = {}
+        # LM-head normalizers of producer rows, computed in pieces as consumers first read the rows:
+        # piece k is tensors[("lse", k)] (and ("entropy", k)); normalizer_slot[row] indexes their
+        # concatenation, -1 for a row no consumer has read yet.
+        self.normalizer_slot: np.ndarray | None = None
+        self.normalizer_pieces = self.normalizer_rows = 0
         # Autograd traversals of the producer graph (its embedding output), counted in a list the hook
         # holds: a hook bound to the record would keep it, and through it the whole graph, alive in a
         # cycle through torch's autograd graph that Python's collector cannot see.
@@ -92,6 +111,30 @@ class ProducerRecord(RowSource):
             found = self.state_leaves[layer] = [s.detach().requires_grad_(s.requires_grad) for s in self.states[layer]]
         return found
 
+    def normalizers(self, rows: np.ndarray, weight: torch.Tensor, with_entropy: bool):
+        """(lse, entropy or None) of the LM head's logits at the listed producer rows (host, distinct), as
+        leaves the consumers share: each row's are computed once per window, from the producer's final
+        hidden states, so their gradient joins the producer backward."""
+        final = self.tensors[("final", -1)]
+        if self.normalizer_slot is None:
+            self.normalizer_slot = np.full(final.shape[0], -1, dtype=np.int64)
+        missing = rows[self.normalizer_slot[rows] < 0]
+        if missing.size:
+            piece = self.normalizer_pieces
+            (missing_rows,) = to_device([missing], final.device)
+            lse, entropy = row_normalizers(final, weight, missing_rows, with_entropy=with_entropy)
+            self.tensors[("lse", piece)] = lse
+            if with_entropy:
+                self.tensors[("entropy", piece)] = entropy
+            self.normalizer_slot[missing] = self.normalizer_rows + np.arange(missing.size)
+            self.normalizer_pieces += 1
+            self.normalizer_rows += missing.size
+        (slots,) = to_device([self.normalizer_slot[rows]], final.device)
+        pieces = range(self.normalizer_pieces)
+        lse = torch.cat([self.leaf("lse", k) for k in pieces]).index_select(0, slots)
+        entropy = torch.cat([self.leaf("entropy", k) for k in pieces]).index_select(0, slots) if with_entropy else None
+        return lse, entropy
+
     def backward(self) -> None:
         """One backward through the producer graph with every interface gradient the consumers left."""
         outputs, grads = [], []
@@ -111,6 +154,8 @@ class ProducerRecord(RowSource):
         self.states.clear()
         self.leaves.clear()
         self.state_leaves.clear()
+        self.normalizer_slot = None
+        self.normalizer_pieces = self.normalizer_rows = 0
 
 
 class ConsumerView(RowSource):
@@ -133,6 +178,20 @@ class ConsumerView(RowSource):
 
     def start_states(self, layer):
         return self.producer.state_leaves_of(layer)
+
+    def supplied_normalizers(self, positions, weight, with_entropy):
+        """The producer's normalizers for every position whose row it caches."""
+        source = self.cached.position_source
+        if positions is not None:
+            source = source[positions]
+        given = np.flatnonzero(source >= 0)
+        if not given.size:
+            return None
+        rows, row_of_given = np.unique(source[given], return_inverse=True)
+        lse, entropy = self.producer.normalizers(rows, weight, with_entropy)
+        given_positions, row_of_given = to_device([given, row_of_given], lse.device)
+        return SuppliedNormalizers(given_positions, lse.index_select(0, row_of_given),
+                                   entropy.index_select(0, row_of_given) if with_entropy else None)
 
 
 class WindowSchedule:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from harts.executor.ops.logprobs import (naive_position_entropy, naive_position_logprobs, position_logprobs,
-                                        position_logprobs_and_entropy)
+from harts.executor.ops.logprobs import (SuppliedNormalizers, naive_position_entropy, naive_position_logprobs,
+                                        position_logprobs, position_logprobs_and_entropy, row_normalizers)
 
 
 def case(seed, C=13, D=6, V=29, P=40, dtype=torch.float64):
@@ -112,3 +112,68 @@ def test_entropy_of_a_uniform_head_is_log_vocabulary():
     weight = torch.randn(11, 4, dtype=torch.float64)
     _, entropy = position_logprobs_and_entropy(hidden, weight, torch.tensor([0, 2]), torch.tensor([1, 5]))
     torch.testing.assert_close(entropy, torch.full((2,), float(np.log(11.0)), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("block_rows", [1, 4, 100], ids=lambda b: f"block{b}")
+def test_row_normalizers_match_naive_values_and_gradients_float64(block_rows):
+    """lse and entropy per listed row (a row listed twice gets two entries), with their gradients;
+    rows whose upstream gradients are both zero contribute exactly nothing."""
+    hidden, weight, _, _ = case(9)
+    rows = torch.tensor([4, 0, 7, 4, 12, 3])
+    compute = hidden @ weight.T
+    want_lse = torch.logsumexp(compute[rows], dim=-1)
+    want_entropy = naive_position_entropy(hidden, weight, rows)
+    lse, entropy = row_normalizers(hidden, weight, rows, with_entropy=True, block_rows=block_rows)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(entropy, want_entropy, rtol=1e-12, atol=1e-12)
+    g = torch.Generator().manual_seed(10)
+    up, up_entropy = torch.randn(6, dtype=torch.float64, generator=g), torch.randn(6, dtype=torch.float64, generator=g)
+    up[2] = up_entropy[2] = 0.0            # row 7: no gradient at all
+    up_entropy[1] = 0.0                    # row 0: the normalizer's only
+    g_got = torch.autograd.grad((lse * up + entropy * up_entropy).sum(), (hidden, weight))
+    g_want = torch.autograd.grad((want_lse * up + want_entropy * up_entropy).sum(), (hidden, weight))
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert torch.all(g_got[0][7] == 0)
+    lse_only, no_entropy = row_normalizers(hidden, weight, rows, block_rows=block_rows)
+    assert no_entropy.numel() == 0 and torch.equal(lse_only, lse)
+    assert torch.autograd.gradcheck(lambda h, w: row_normalizers(h, w, rows, with_entropy=True, block_rows=2),
+                                    (hidden[:, :3].detach().clone().requires_grad_(), weight[:9, :3].detach().clone()
+                                     .requires_grad_()))
+
+
+@pytest.mark.parametrize("with_entropy", [False, True], ids=["logprobs", "entropy"])
+def test_supplied_normalizers_give_the_naive_values_and_gradients(with_entropy):
+    """Positions whose row normalizers come from elsewhere (a window producer's, computed from a
+    different tensor) get label logit minus the supplied normalizer; gradients reach both tensors."""
+    hidden, weight, rows, labels = case(11)
+    source = hidden.detach().clone().requires_grad_()       # stands in for the producer's hidden rows
+    given = torch.tensor([0, 1, 5, 6, 17, 39])            # includes positions sharing row 2 (0, 1)
+    lse, entropy = row_normalizers(source, weight, rows[given], with_entropy=with_entropy)
+    supplied = SuppliedNormalizers(given, lse, entropy if with_entropy else None)
+    g = torch.Generator().manual_seed(12)
+    up, up_entropy = torch.randn(len(rows), dtype=torch.float64, generator=g), \
+        torch.randn(len(rows), dtype=torch.float64, generator=g)
+    up[5] = 0.0
+    if with_entropy:
+        got, got_entropy = position_logprobs_and_entropy(hidden, weight, rows, labels, block_rows=3, supplied=supplied)
+        objective = (got * up + got_entropy * up_entropy).sum()
+    else:
+        got = position_logprobs(hidden, weight, rows, labels, block_rows=3, supplied=supplied)
+        objective = (got * up).sum()
+    want = naive_position_logprobs(hidden, weight, rows, labels)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    reference = hidden.detach().clone().requires_grad_()
+    want_objective = (naive_position_logprobs(reference, weight, rows, labels) * up).sum()
+    if with_entropy:
+        want_entropy = naive_position_entropy(reference, weight, rows)
+        torch.testing.assert_close(got_entropy, want_entropy.detach(), rtol=1e-12, atol=1e-12)
+        want_objective = want_objective + (want_entropy * up_entropy).sum()
+    g_hidden, g_source, g_weight = torch.autograd.grad(objective, (hidden, source, weight))
+    g_ref, g_ref_weight = torch.autograd.grad(want_objective, (reference, weight))
+    # Split between the two hidden tensors, the gradient sums to the reference's.
+    torch.testing.assert_close(g_hidden + g_source, g_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(g_weight, g_ref_weight, rtol=1e-10, atol=1e-12)
+    assert torch.count_nonzero(g_source[rows[given]].sum(-1)) > 0, "the supplied normalizers carry gradient"
+    with pytest.raises(ValueError, match="carry none"):
+        position_logprobs_and_entropy(hidden, weight, rows, labels, supplied=SuppliedNormalizers(given, lse, None))

@@ -18,6 +18,7 @@ from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.executor.layout import build_layout
 from harts.executor.losses import LossConfig
+from harts.executor import windows as windows_module
 from harts.executor.runtime import run_step
 from harts.schema.plan_invariants import check_plan
 
@@ -32,8 +33,9 @@ def two_trees() -> list[list[int]]:
     return boundary_tree(np.random.default_rng(0)) + boundary_tree(np.random.default_rng(5))
 
 
-def compile_windows(lists, *, capacity=250, chunk_size=64, dp=1, advantages=None, max_window_slots=0):
-    batch = TrajectoryBatch.from_token_lists(lists, advantages=advantages)
+def compile_windows(lists, *, capacity=250, chunk_size=64, dp=1, advantages=None, max_window_slots=0,
+                    loss_masks=None):
+    batch = TrajectoryBatch.from_token_lists(lists, advantages=advantages, loss_masks=loss_masks)
     plan = compile_batch(batch, CompileOptions(levels="l1+l2", capacity=capacity, chunk_size=chunk_size, dp=dp,
                                                max_window_slots=max_window_slots, verify=True)).plan
     check_plan(plan, batch.tokens, batch.token_offsets)
@@ -81,6 +83,43 @@ def test_windows_give_the_gradients_of_running_every_consumer_without_reuse(kimi
         decoder = sum(len(p["row_token"]) for p in plan.producers) + sum(
             int(np.count_nonzero(np.asarray(mb["row_cached_by"]) < 0)) for mb in plan.microbatches)
         assert reuse.rows == decoder < alone.rows
+
+
+def test_each_cached_rows_lm_head_normalizer_is_computed_once_per_window(kimi, monkeypatch):
+    """The producer computes a cached row's log-sum-exp and entropy the first time a consumer reads the
+    row; later consumers share it. Counted against the plan: the rows a consumer's positions read are
+    its rows with a child (row_parent), the cached ones name their producer row in row_cached_by. With
+    an entropy bonus and prompt-like unweighted positions, and with logprobs "loss" (only weighed
+    positions' rows), log-probabilities, entropy and gradients stay those of no reuse."""
+    rng = np.random.default_rng(7)
+    lists = two_trees()
+    masks = [(rng.random(len(t)) < 0.6).astype(np.int64) for t in lists]
+    plan = compile_windows(lists, chunk_size=16, advantages=rng.normal(size=len(lists)), loss_masks=masks)
+    read_by_window = set()
+    for mb in plan.microbatches:
+        parent, cached_by = np.asarray(mb["row_parent"]), np.asarray(mb["row_cached_by"])
+        read = np.unique(parent[parent >= 0])
+        read_by_window |= {(int(mb["window"]), int(mb["replica"]), int(r)) for r in cached_by[read] if r >= 0}
+    assert len(read_by_window) > 0
+    computed = []
+    real = windows_module.row_normalizers
+
+    def counting(hidden, weight, rows, **kwargs):
+        computed.append(rows.numel())
+        return real(hidden, weight, rows, **kwargs)
+
+    monkeypatch.setattr(windows_module, "row_normalizers", counting)
+    loss = LossConfig("grpo", entropy_coef=0.05)
+    for logprobs in ("all", "loss"):
+        computed.clear()
+        reuse = run_step(plan, kimi, loss=loss, logprobs=logprobs)
+        alone = run_step(plan, kimi, loss=loss, logprobs=logprobs, windows=False)
+        assert_same_step(reuse, alone, logprobs)
+        assert abs(reuse.entropy - alone.entropy) <= 1e-5 * abs(alone.entropy), logprobs
+        if logprobs == "all":
+            assert sum(computed) == len(read_by_window)
+        else:   # only rows a weighed position reads
+            assert 0 < sum(computed) < len(read_by_window)
 
 
 def test_short_windows_release_each_producer_before_the_next(kimi):
