@@ -34,7 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default with --planner ffd)")
     p.add_argument("--ffd-time-budget", type=float, default=10.0, metavar="SECONDS",
                    help="--planner ffd: CP-SAT search budget per DP replica, in CP-SAT deterministic seconds "
-                        "(reproducible; wall time is about 1-3x that); the paper's quality runs use 300 (default 10)")
+                        "(reproducible; wall time is about 1-3x that, plus building the model, which grows with "
+                        "trajectories x microbatches per replica: ~10 s at 10,000; a replica whose model would "
+                        "exceed 1,000,000 variables keeps its next-fit packing); the paper's quality runs use 300 "
+                        "(default 10)")
     p.add_argument("--ffd-first-feasible", action="store_true",
                    help="--planner ffd: stop each replica's CP-SAT search at its first feasible solution "
                         "(the paper's planning-time setting)")

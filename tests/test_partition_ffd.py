@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harts.compiler.cli import main as hartsc_main
+from harts.compiler.passes import partition_ffd as ffd_module
 from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.passes.partition_ffd import (SHARD_UNITS, _best_cut, build_prefix_trie, ffd_shard, pack_replica,
                                                  partition_ffd, shard_replicas, subtree_shards)
@@ -215,6 +216,22 @@ def test_same_seed_gives_the_same_plan_even_when_the_budget_cuts_the_search():
     untimed = [re.sub(r" \(\d+\.\d+s\)$", "", line) for line in first.partition.decisions]
     assert untimed == [re.sub(r" \(\d+\.\d+s\)$", "", line) for line in second.partition.decisions]
     assert any("cp-sat feasible" in line for line in untimed)  # the budget, not optimality, ended a search
+
+
+def test_a_replica_whose_model_is_too_large_keeps_its_next_fit_packing(monkeypatch):
+    """Building the CP-SAT model costs time and memory outside the search budget (about 2 KB a variable): past
+    FFD_MAX_VARIABLES a replica keeps the next-fit packing the model would have been hinted with, and says so."""
+    batch = TrajectoryBatch.from_token_lists(random_step(0, trees=12, steps=10))
+    options = CompileOptions(dp=2, capacity=700, chunk_size=16, planner="ffd", ffd_shard="trajectory")
+    searched = compile_batch(batch, options)
+    monkeypatch.setattr(ffd_module, "FFD_MAX_VARIABLES", 10)
+    capped = compile_batch(batch, options)
+    check_plan(capped.plan, batch.tokens, batch.token_offsets)
+    assert sum("model too large" in line and "kept the next-fit packing" in line
+               for line in capped.partition.decisions) == 2, capped.partition.decisions
+    assert not any("model too large" in line for line in searched.partition.decisions)
+    assert sum(len(mb["row_token"]) for mb in capped.plan.microbatches) >= \
+        sum(len(mb["row_token"]) for mb in searched.plan.microbatches)
 
 
 def test_a_trajectory_longer_than_capacity_is_a_clear_error():

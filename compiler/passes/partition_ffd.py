@@ -221,6 +221,11 @@ def _renumber(bin_of: np.ndarray) -> np.ndarray:
     return rank[inverse.reshape(-1)]
 
 
+# Largest CP-SAT model one replica builds: assignment (trajectory x bin) and paid-node (trie node x bin)
+# booleans. ~10,000 trajectories in ~40 bins is about 830,000 and takes ~1.7 GB and ~10 s to build.
+FFD_MAX_VARIABLES = 1_000_000
+
+
 def pack_replica(model: PrefixCostModel, capacity: int, *, time_budget_s: float, seed: int,
                  first_feasible: bool) -> tuple[np.ndarray, str]:
     """Pack one replica's sorted trajectories with CP-SAT; returns (bin of each local position, status).
@@ -238,6 +243,12 @@ def pack_replica(model: PrefixCostModel, capacity: int, *, time_budget_s: float,
         return hint_of, "single microbatch"
     trie = build_prefix_trie(model.lengths, model.lcp)
     nodes = np.flatnonzero(trie.parent >= 0)  # every node but the root carries weight >= 1
+    variables = bins + int(np.minimum(np.arange(1, n + 1), bins).sum()) + len(nodes) * bins
+    if variables > FFD_MAX_VARIABLES:
+        # Python builds the model one variable at a time (about 2 KB each, before any search), so a replica
+        # with tens of thousands of trajectories would take minutes and gigabytes outside the time budget.
+        return hint_of, (f"model too large ({variables:,} CP-SAT variables, more than {FFD_MAX_VARIABLES:,}), "
+                         f"kept the next-fit packing ({bins} bins)")
 
     cp = cp_model.CpModel()
     used = [cp.NewBoolVar(f"y{b}") for b in range(bins)]
