@@ -230,6 +230,7 @@ def test_a_replica_whose_model_is_too_large_keeps_its_next_fit_packing(monkeypat
     assert sum("model too large" in line and "kept the next-fit packing" in line
                for line in capped.partition.decisions) == 2, capped.partition.decisions
     assert not any("model too large" in line for line in searched.partition.decisions)
+    assert sum("model too large" in line for line in capped.decisions()) == 2   # what hartsc -v prints
     assert sum(len(mb["row_token"]) for mb in capped.plan.microbatches) >= \
         sum(len(mb["row_token"]) for mb in searched.plan.microbatches)
 
