@@ -9,7 +9,9 @@ and values, router logits and choices, and the final hidden states for the
 LM head. The LM head's normalizer of a cached row (its log-sum-exp, and
 entropy when asked for: the [rows, vocabulary] work) is the producer's too,
 computed the first time a consumer reads the row and shared by the window's
-later consumers; a consumer adds only each position's label logit. Consumers see each interface through one leaf tensor per window
+later consumers; a consumer adds only each position's label logit.
+
+Consumers see each interface through one leaf tensor per window
 (`detach().requires_grad_()`), so every consumer backward only accumulates
 into the leaves' `.grad`; after the window's last consumer, `backward` sends
 all accumulated interface gradients through the producer graph in a single
