@@ -244,21 +244,24 @@ def test_stats_cost_model_recounts_the_costs_placement_balanced(lists, dp, pairs
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(forests(), st.integers(2, 3), st.integers(0, 40), st.randoms(use_true_random=False))
 def test_largest_cap_is_the_deepest_that_fits(lists, dp, capacity, rng):
-    """The producer cap `score_layout` sets is the deepest whose producer fits, by trying every depth."""
+    """The producer cap `score_layout` sets is the deepest whose producer fits, by evaluating every depth,
+    starting from no cap or from a cap already set (a search never goes deeper than the current cap)."""
     lengths, model, K, consumer_of = shuffled_consumers(lists, dp, rng)
     cell_of_consumer = np.arange(K, dtype=np.int64) % dp
-    caps = np.full(dp, NO_CAP, dtype=np.int64)
+    current = rng.choice([NO_CAP, rng.randrange(int(lengths.max()) + 1)])
+    caps = np.full(dp, current, dtype=np.int64)
     layout = scoring.Layout("t", consumer_of, cell_of_consumer, np.array([0, 2]), caps)
     options = L2Options()
     cell = rng.randrange(dp)
     fits = [depth for depth in range(int(lengths.max()) + 1)
             if evaluate(model, options, consumer_of, cell_of_consumer,
                             np.where(np.arange(dp) == cell, depth, caps), K, dp).pro_n[cell] <= capacity]
+    want = min(max(fits), current)
     ev = evaluate(model, options, consumer_of, cell_of_consumer, caps, K, dp)
-    assert scoring._largest_cap(model, options, layout, cell, capacity, K, dp, ev) == max(fits)
+    assert scoring._largest_cap(model, layout, cell, capacity, ev) == want
     memo = {}
-    assert scoring._largest_cap(model, options, layout, cell, capacity, K, dp, ev, memo) == max(fits)
-    assert scoring._largest_cap(model, options, layout, cell, capacity, K, dp, ev, memo) == max(fits)
+    assert scoring._largest_cap(model, layout, cell, capacity, ev, memo) == want
+    assert scoring._largest_cap(model, layout, cell, capacity, ev, memo) == want
     assert len(memo) == 1
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harts.compiler.placement.evaluation import Evaluation, evaluate, evaluate_positions, reevaluate
+from harts.compiler.placement.evaluation import Evaluation, evaluate, reevaluate
 from harts.compiler.placement.options import L2Options
 from harts.compiler.prefix_cost import PrefixCostModel
 
@@ -58,7 +58,7 @@ def score_layout(model: PrefixCostModel, options: L2Options, layout: Layout, dp:
     if oversized.size:
         layout.cap_of_cell = layout.cap_of_cell.copy()
         for g in oversized.tolist():
-            layout.cap_of_cell[g] = _largest_cap(model, options, layout, g, capacity, K, G, ev)
+            layout.cap_of_cell[g] = _largest_cap(model, layout, g, capacity, ev)
         ev = evaluate(model, options, layout.consumer_of, layout.cell_of_consumer, layout.cap_of_cell, K, G)
     _order_and_key(layout, ev, dp)
     return True
@@ -96,8 +96,7 @@ def _order_and_key(layout: Layout, ev: Evaluation, dp: int) -> None:
     layout.key = _key(layout, dp)
 
 
-def _largest_cap(model, options, layout: Layout, cell: int, capacity: int, K: int, G: int,
-                 ev: Evaluation, memo: dict | None = None) -> int:
+def _largest_cap(model, layout: Layout, cell: int, capacity: int, ev: Evaluation, memo: dict | None = None) -> int:
     """The deepest sharing cap that keeps one producer within capacity; `ev` evaluates the layout at its
     current caps (a producer that fits there keeps its cap).
 
@@ -113,17 +112,19 @@ def _largest_cap(model, options, layout: Layout, cell: int, capacity: int, K: in
     if memo is not None:
         key = (int(layout.cap_of_cell[cell]), positions.tobytes(), layout.consumer_of[positions].tobytes())
         if key not in memo:
-            memo[key] = _largest_cap(model, options, layout, cell, capacity, K, G, ev)
+            memo[key] = _largest_cap(model, layout, cell, capacity, ev)
         return memo[key]
     if ev.pro_n[cell] <= capacity:   # fits already: its cap stays
         return int(min(model.lengths.max(), layout.cap_of_cell[cell]))
-    deepest = int(ev.cached[positions].max(initial=0))
-    caps = layout.cap_of_cell.copy()
+    cached, lcp_cell = ev.cached[positions], ev.lcp_cell[positions]
+    deepest = int(cached.max(initial=0))
 
     def rows(cap: int) -> int:
-        caps[cell] = cap
-        part = evaluate_positions(model, options, positions, layout.consumer_of, layout.cell_of_consumer, caps, K, G)
-        return int(part.pro_n[cell])
+        # The producer's rows at a lower cap, without re-evaluating the cell: a position's cached depth is
+        # min(LCP with another consumer's member, its length, cap), and every cap searched is at most the
+        # current one, so it is min(cached, cap); the producer holds what lies above its lcp_cell
+        # (`evaluate_positions`' pro_n).
+        return int(np.maximum(np.minimum(cached, cap) - lcp_cell, 0).sum())
 
     # Bracket: lo fits, hi does not (at the deepest cached depth the producer is what `ev` says).
     hi, hi_rows = deepest, int(ev.pro_n[cell])
@@ -210,10 +211,9 @@ def trial_score(model: PrefixCostModel, options: L2Options, trial: Layout, dp: i
     oversized = np.flatnonzero(ev.pro_n > capacity)
     if recap is not None and oversized.size and ev.full.max(initial=0) <= capacity:
         # Only the trial's cells changed, so only their producers can overflow; each gets its largest cap.
-        K, G = len(trial.cell_of_consumer), len(trial.cap_of_cell)
         trial.cap_of_cell = trial.cap_of_cell.copy()
         for g in oversized.tolist():
-            trial.cap_of_cell[g] = _largest_cap(model, options, trial, g, capacity, K, G, ev, recap)
+            trial.cap_of_cell[g] = _largest_cap(model, trial, g, capacity, ev, recap)
         ev = reevaluate(model, options, parent.ev, trial.consumer_of, trial.cell_of_consumer, trial.cap_of_cell,
                         cells, members_changed=trial.consumer_of is not parent.consumer_of)
     fits = score_layout(model, options, trial, dp, capacity, allow_caps=False, ev=ev)
