@@ -406,3 +406,19 @@ def test_a_refusal_counts_the_greedy_plans_and_suggests_dps_that_work():
         partition_microbatches(lengths, lcp, capacity=4, dp=4)
     for dp in (1, 2, 3, 6):
         assert len(partition_microbatches(lengths, lcp, capacity=4, dp=dp).members) % dp == 0
+
+
+def test_greedy_is_skipped_past_its_cell_budget_only_when_a_contiguous_candidate_exists():
+    """Greedy scans every microbatch per insertion (trajectories x microbatches cells); past the budget L1
+    keeps the contiguous candidates, but a step only greedy can place (dp 6 below) still gets greedy."""
+    sequences = [[first, 9, 9] if first % 2 else [first, 9] for first in range(1, 8)]
+    lengths, lcp = lengths_and_lcp(sequences)
+    tight = L1Options(greedy_max_cells=0)
+    skipped = partition_microbatches(lengths, lcp, capacity=4, dp=1, options=tight)
+    assert any(line.startswith("greedy skipped") for line in skipped.decisions)
+    assert not any("greedy" in line and line.startswith("candidate") for line in skipped.decisions)
+    searched = partition_microbatches(lengths, lcp, capacity=4, dp=1)
+    assert any(line.startswith("candidate greedy") for line in searched.decisions)
+    only_greedy = partition_microbatches(lengths, lcp, capacity=4, dp=6, options=tight)
+    assert len(only_greedy.members) == 6
+    assert not any(line.startswith("greedy skipped") for line in only_greedy.decisions)

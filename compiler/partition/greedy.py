@@ -308,6 +308,12 @@ def align_by_singleton_splits(model: PrefixCostModel, microbatch_of: np.ndarray,
     return microbatch_of
 
 
+def greedy_microbatch_estimate(model: PrefixCostModel, capacity: int, dp: int) -> int:
+    """Microbatches `greedy_fill` starts with: greedy plans rarely need more than ~G/T plus alignment
+    (it grows its arrays if one does); each insertion scans that many per plan."""
+    return max(16, -(-5 * model.total_unique_tokens // (4 * capacity)) + dp)
+
+
 def greedy_candidates(model: PrefixCostModel, capacity: int, dp: int) -> list[Candidate]:
     """All eight trie-aware greedy plans (4 orders x 2 rules), eliminated and aligned to dp."""
     orders = greedy_orders(model)
@@ -315,9 +321,7 @@ def greedy_candidates(model: PrefixCostModel, capacity: int, dp: int) -> list[Ca
     order_PN = np.stack([orders[order] for order, _ in names])
     max_shared = np.array([rule == "max-shared" for _, rule in names])
     n = model.num_trajectories
-    # Greedy plans rarely need more than ~G/T microbatches plus alignment;
-    # greedy_fill grows its arrays if one does.
-    estimate = max(16, -(-5 * model.total_unique_tokens // (4 * capacity)) + dp)
+    estimate = greedy_microbatch_estimate(model, capacity, dp)
     # Monotone orders (sorted, reverse-sorted) need no neighbour table: they are filled together. The
     # others' tables (2 x 4 bytes x N x K per plan at worst) are bounded near 256 MB per fill.
     monotone = [i for i in range(len(names)) if is_monotone(order_PN[i:i + 1])]

@@ -19,3 +19,7 @@ class L1Options:
     count_span: int = 16
     # Add the best of the eight trie-aware greedy plans as a candidate.
     greedy: bool = True
+    # ... unless N x K_estimate exceeds this and a contiguous candidate exists: every insertion scans every
+    # microbatch of eight plans (~0.5 us a cell here), so 2e8 cells is ~100 s. Reached only when the capacity
+    # holds a few trajectories each and there are tens of thousands of them.
+    greedy_max_cells: int = 200_000_000

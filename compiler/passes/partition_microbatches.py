@@ -45,6 +45,10 @@ Equations A.3 and A.4; the choices filling the gaps are:
   not. Alignment moves the trajectory whose departure costs the fewest shared
   tokens; a plan whose aligned count would exceed N is dropped. The greedy
   candidate joins even when its count is outside A.4 (as the paper says).
+  Each insertion scans every microbatch of eight plans, so greedy is left out
+  when N x (its microbatch estimate) exceeds `greedy_max_cells` and a
+  contiguous candidate exists (tens of thousands of trajectories, a few per
+  microbatch: minutes of greedy for the plans contiguous search gives).
 * Ties: placement picks the lowest microbatch index; candidates tying on
   J_init keep the earlier one (contiguous counts ascending, then greedy).
 
@@ -65,7 +69,8 @@ from harts.compiler.partition.candidate import Candidate, starts_to_candidate
 from harts.compiler.partition.contiguous import (contiguous_evolve, contiguous_exact, exact_search_fits_int64,
                                                  natural_partition, sample_counts)
 from harts.compiler.partition.greedy import (GREEDY_ORDERS, align_by_singleton_splits, dense_lcp_table,
-                                             eliminate_small_groups, greedy_candidates, greedy_fill, greedy_orders)
+                                             eliminate_small_groups, greedy_candidates, greedy_fill,
+                                             greedy_microbatch_estimate, greedy_orders)
 from harts.compiler.partition.options import L1Options
 from harts.compiler.partition.verify import verify_partition
 from harts.compiler.prefix_cost import PrefixCostModel
@@ -148,7 +153,12 @@ def partition_microbatches(lengths, lcp, *, capacity: int, dp: int, options: L1O
                              f"{len(found)} of {len(sampled)} sampled counts reached")
             candidates += [starts_to_candidate(model, f"contiguous-scalable k={k}", found[k]) for k in sorted(found)]
 
-    if options.greedy and n:
+    greedy_cells = n * greedy_microbatch_estimate(model, capacity, dp)
+    skip_greedy = candidates and greedy_cells > options.greedy_max_cells
+    if skip_greedy and options.greedy:
+        decisions.append(f"greedy skipped: {greedy_cells} cells (trajectories x microbatches) > "
+                         f"{options.greedy_max_cells}, and contiguous candidates exist")
+    if options.greedy and n and not skip_greedy:
         plans = greedy_candidates(model, capacity, dp)
         if plans:
             best = min(range(len(plans)), key=lambda i: (len(plans[i].work), int(plans[i].work.sum()), i))
