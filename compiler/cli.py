@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= this (default: no check)")
     p.add_argument("--debug", action="store_true", help="verify the IR after every pass (slow at paper scale)")
     p.add_argument("--json", action="store_true", help="print the plan statistics as one JSON object on stdout")
-    p.add_argument("-v", "--verbose", action="store_true", help="explain each pass's decisions on stderr (a line per pass; L2 adds one per search phase)")
+    p.add_argument("-v", "--verbose", action="store_true", help="explain each pass's decisions on stderr (a line per pass; L2 adds one per search phase, --planner ffd one per replica)")
     return p
 
 
