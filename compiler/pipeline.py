@@ -120,7 +120,7 @@ class CompileResult:
             f"J_init={self.partition.j_init} ({secs.get('partition-microbatches', 0):.3f}s)",
             # The comparison planner's sharding and each replica's CP-SAT outcome (budget cut, model too large).
             *(f"partition-microbatches:   {line}" for line in self.partition.decisions
-              if self.partition.candidate.startswith("ffd")),
+              if self.plan.flags["planner"] == "ffd"),
             f"assign-rounds: max {max(rounds, default=0)} rounds, mean {np.mean(rounds) if rounds else 0:.2f} "
             f"({secs.get('assign-rounds', 0):.3f}s)",
             f"plan-replay: {replay} replay tokens, {sum(len(m.replay.export_row) for m in mb)} exported states "

@@ -409,11 +409,12 @@ def _loads_nonstandard(line: bytes, where: _Where, err: orjson.JSONDecodeError):
     orjson refuses the `NaN` / `Infinity` literals (they are not JSON) with a
     message that names only a column; Python's json accepts them, so the field
     checks can then say e.g. "old_logprobs[3] = nan is not a finite float32"
-    (every field HARTS reads rejects a non-finite value where it matters). A line that only orjson
-    rejects for another reason (a lone surrogate escape) is valid JSON and is
-    read as such, except that `id` and `tree` may not hold a lone surrogate
-    (`_reject_lone_surrogates`). A line nested deeper than Python's json goes
-    is refused as such; one that is not UTF-8 is reported with its first bad byte.
+    (every field HARTS reads rejects a non-finite value where it matters). A
+    line that only orjson rejects for another reason (a lone surrogate escape)
+    is valid JSON and is read as such, except that `id` and `tree` may not hold
+    a lone surrogate (`_reject_lone_surrogates`). A line nested deeper than
+    Python's json goes is refused as such; one that is not UTF-8 is reported
+    with its first bad byte.
     """
     try:
         # Strict UTF-8 first: json.loads(bytes) would guess UTF-16 from a stray

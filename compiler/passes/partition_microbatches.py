@@ -154,7 +154,7 @@ def partition_microbatches(lengths, lcp, *, capacity: int, dp: int, options: L1O
             candidates += [starts_to_candidate(model, f"contiguous-scalable k={k}", found[k]) for k in sorted(found)]
 
     greedy_cells = n * greedy_microbatch_estimate(model, capacity, dp)
-    skip_greedy = candidates and greedy_cells > options.greedy_max_cells
+    skip_greedy = bool(candidates) and greedy_cells > options.greedy_max_cells
     if skip_greedy and options.greedy:
         decisions.append(f"greedy skipped: {greedy_cells} cells (trajectories x microbatches) > "
                          f"{options.greedy_max_cells}, and contiguous candidates exist")

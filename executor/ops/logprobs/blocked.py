@@ -144,7 +144,8 @@ def _returned(grad, like):
 
 
 class _CompactLogprobs(torch.autograd.Function):
-    """Label logit minus own normalizer for the positions in `own_O`; the label logit alone for `given_G`."""
+    """Label logit minus own normalizer for the positions in `own_O`; the label logit alone for `given_G`.
+    Both None (the usual case): every position is the op's own, and nothing is gathered by them."""
 
     @staticmethod
     def forward(ctx, hidden_CD, weight_VD, position_row_P, position_label_P, own_O, given_G, block_rows: int,
@@ -153,7 +154,7 @@ class _CompactLogprobs(torch.autograd.Function):
         device = hidden_CD.device
         weight_c = weight_VD.to(compute)
         P = position_row_P.shape[0]
-        every_position = given_G.numel() == 0   # the usual case: no gathers by own_O
+        every_position = given_G is None
         own_rows, own_labels = ((position_row_P, position_label_P) if every_position
                                 else (position_row_P[own_O], position_label_P[own_O]))
         # Only rows some position reads need logits (a leaf's last row predicts nothing; with
@@ -165,7 +166,7 @@ class _CompactLogprobs(torch.autograd.Function):
         # Block boundaries read once (one wait for the device per call, not one per block).
         bounds = torch.searchsorted(slot_O[order_O],
                                     torch.arange(0, A + block_rows, block_rows, device=device)).tolist()
-        target_O = torch.empty(own_O.shape[0], dtype=compute, device=device)
+        target_O = torch.empty(own_rows.shape[0], dtype=compute, device=device)
 
         def pick_targets(b, start, logits_RV):
             picked = order_O[bounds[b]:bounds[b + 1]]
@@ -201,7 +202,7 @@ class _CompactLogprobs(torch.autograd.Function):
         weight_c = weight_VD.to(compute)
         grad_P = lse_A.new_zeros(position_row_P.shape[0]) if grad_P is None else grad_P.to(compute)
         grad_hidden, grad_weight = _gradient_buffers(ctx, hidden_CD, weight_c)
-        every_position = given_G.numel() == 0
+        every_position = given_G is None
         grad_O, own_labels = (grad_P, position_label_P) if every_position else (grad_P[own_O], position_label_P[own_O])
         A = read_A.shape[0]
         # Sum of incoming gradients per read row: the weight of that row's softmax term.
@@ -281,8 +282,9 @@ def _check(hidden_CD, weight_VD, position_row_P, position_label_P, block_rows: i
 
 
 def _own_and_given(num_positions: int, supplied: SuppliedNormalizers | None, device) -> tuple:
-    if supplied is None:
-        return torch.arange(num_positions, device=device), torch.zeros(0, dtype=torch.long, device=device)
+    """(own_O, given_G) for `_CompactLogprobs`; (None, None) when no position's normalizer is supplied."""
+    if supplied is None or supplied.positions.numel() == 0:
+        return None, None
     given_G = supplied.positions.long()
     own = torch.ones(num_positions, dtype=torch.bool, device=device)
     own[given_G] = False
@@ -297,7 +299,7 @@ def _logprobs(hidden_CD, weight_VD, position_row_P, position_label_P, block_rows
     own_O, given_G = _own_and_given(position_row_P.shape[0], supplied, hidden_CD.device)
     logprobs, entropy = _CompactLogprobs.apply(hidden_CD, weight_VD, position_row_P.long(), position_label_P.long(),
                                                own_O, given_G, block_rows, with_entropy)
-    if supplied is not None and given_G.numel():
+    if given_G is not None:
         logprobs = logprobs.index_add(0, given_G, supplied.lse.to(logprobs.dtype), alpha=-1)
         if with_entropy:
             entropy = entropy.index_add(0, given_G, supplied.entropy.to(entropy.dtype))
