@@ -18,6 +18,8 @@ Legend: R rows, D hidden size, H heads, K/V head dims.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -61,6 +63,7 @@ class RowRunner:
         # handoffs from the fixed layout when its gradient is needed.
         self.recompute = recompute
         self._recording = True
+        self._recomputable: list[_RecomputableLayer] = []
 
     @property
     def top_k(self) -> int:
@@ -93,12 +96,25 @@ class RowRunner:
         for index, layer in enumerate(base.layers[: self.config.num_hidden_layers]):
             args = (index, layer, h_RD, layout, context, inputs, stats, window)
             if self.recompute and torch.is_grad_enabled():
-                h_RD = checkpoint(self.layer, *args, use_reentrant=False)
+                call = _RecomputableLayer(self.layer, args)
+                self._recomputable.append(call)
+                h_RD = checkpoint(call, h_RD, use_reentrant=False)
             else:
                 h_RD = self.layer(*args)
         # Statistics are recorded by the forward pass only, never by a recomputation in backward.
         self._recording = False
         return window.complete("final", -1, base.norm(h_RD))
+
+    @contextlib.contextmanager
+    def recomputation_scope(self):
+        """Hold the recomputable layers' arguments for one step; cut them when it ends, however it ends
+        (`_RecomputableLayer`)."""
+        try:
+            yield
+        finally:
+            for call in self._recomputable:
+                call.release()
+            self._recomputable.clear()
 
     def all_cached(self, layout: ExecLayout, stats: MoEStatistics | None, window) -> torch.Tensor:
         """A window consumer whose every row its producer computed: it reads only the router
@@ -155,3 +171,29 @@ class RowRunner:
         if calls.output_order is not None:
             o_RHV = o_RHV.index_select(0, calls.output_order)
         return o_RHV
+
+
+class _RecomputableLayer:
+    """One checkpointed decoder layer: `layer(index, module, h_RD, ...)` with every argument but the rows
+    held here, behind a reference the step cuts when it ends (`RowRunner.recomputation_scope`).
+
+    Why not hand them to `checkpoint` directly: torch keeps a recomputation's function and arguments in a
+    frame that the layer's saved activations point to from inside the autograd graph, and the window and
+    the statistics record hold graph tensors of their own. That closes a reference cycle through C++,
+    which Python's collector cannot see: harmless when the backward completes (it frees the saved
+    activations and with them the cycle), but a backward that fails part-way (an out-of-memory error in a
+    consumer, an interrupt) would otherwise keep the microbatch's whole graph alive, once per failure.
+    `release` breaks the cycle; after it, the layer cannot be recomputed.
+    """
+
+    __slots__ = ("layer", "args")
+
+    def __init__(self, layer, args: tuple):
+        self.layer, self.args = layer, args
+
+    def __call__(self, h_RD: torch.Tensor) -> torch.Tensor:
+        index, module, _, *rest = self.args
+        return self.layer(index, module, h_RD, *rest)
+
+    def release(self) -> None:
+        self.layer = self.args = None
