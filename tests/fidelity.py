@@ -1,10 +1,14 @@
 """Shared helpers of the model fidelity tests (tests/test_executor.py, tests/test_qwen3_next.py).
 
 Trees that stress chunk boundaries, plan compilation from token lists, the
-Hugging Face per-trajectory reference, and the gradient comparison rule.
+Hugging Face per-trajectory reference (in float32, and with a float64
+linear-attention core), and the gradient comparison rules.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
+import inspect
 from dataclasses import replace
 
 import numpy as np
@@ -88,6 +92,67 @@ def hf_reference(model, lists):
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return logprobs, grads
+
+
+# transformers' torch fallback of each family's chunked delta rule, by module and function name.
+LINEAR_ATTENTION_FALLBACKS = {
+    "qwen3_next": ("transformers.models.qwen3_next.modeling_qwen3_next", "torch_chunk_gated_delta_rule"),
+    "kimi_linear": ("transformers.models.kimi_linear.modeling_kimi_linear", "chunk_kimi_delta_attention"),
+}
+
+
+@contextlib.contextmanager
+def float64_linear_attention_core(model_type: str):
+    """transformers' fallback core, rebuilt from its own source with its one float32 cast made float64.
+
+    The fallbacks cast q, k, v, beta and g to float32 whatever the model's dtype, so a `.double()` model
+    still runs its delta rule in float32 and is no float64 reference for what that rule computes (the
+    gate parameters' gradients above all: an audit compared against such a "reference" and blamed HARTS
+    for transformers' own rounding). Fails loudly if the source no longer has exactly that one cast.
+    """
+    import importlib
+
+    module_name, function_name = LINEAR_ATTENTION_FALLBACKS[model_type]
+    module = importlib.import_module(module_name)
+    original = getattr(module, function_name)
+    source = inspect.getsource(inspect.unwrap(original))
+    assert source.count("torch.float32") == 1, f"{function_name}: expected one float32 cast in its source"
+    namespace = dict(vars(module))
+    exec(source[source.index("def "):].replace("torch.float32", "torch.float64"), namespace)   # its own code
+    setattr(module, function_name, namespace[function_name])
+    try:
+        yield
+    finally:
+        setattr(module, function_name, original)
+
+
+def hf_float64_reference(model, lists):
+    """`hf_reference` on a float64 copy of `model` whose linear-attention core runs in float64 too
+    (`float64_linear_attention_core`); what the model's modules cast to float32 themselves (their
+    RMSNorms, the gate's `A_log.float()`) stays float32, in HARTS's runs as in this one."""
+    model64 = copy.deepcopy(model).double()
+    for module in model64.modules():
+        if hasattr(module, "config"):
+            module.config._experts_implementation = "eager"   # grouped_mm has no float64 kernel
+    with float64_linear_attention_core(model.config.model_type):
+        return hf_reference(model64, lists)
+
+
+def check_float32_gradients_as_accurate_as_transformers(model, seed: int = 0) -> None:
+    """Compact float32 gradients are as close to the float64 reference as transformers' own float32 run
+    per trajectory: for every parameter, within 2x its error (measured: at most 1.4x on both families),
+    or 1e-7 of the largest gradient where its error is below that. Against the float32 run itself (the
+    1e-4 rule above) a parameter whose gradient nearly cancels (Gated DeltaNet's A_log, dt_bias) can
+    look far off when both are equally far from the exact value."""
+    lists = boundary_tree(np.random.default_rng(seed))
+    ours = {name: grad.double() for name, grad in run_step(compile_lists(lists), model).grads.items()}
+    _, theirs = hf_reference(model, lists)
+    _, exact = hf_float64_reference(model, lists)
+    floor = 1e-7 * max(float(g.norm()) for g in exact.values())
+    for name, want in exact.items():
+        our_error = float((ours[name] - want).norm())
+        their_error = float((theirs[name].double() - want).norm())
+        assert our_error <= 2.0 * max(their_error, floor), (name, our_error, their_error)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:

@@ -21,7 +21,8 @@ import harts.api as api
 from harts.executor.losses import LossConfig
 from harts.executor.runtime import run_step
 
-from fidelity import (check_expert_loads_count_every_occurrence, check_loss_positions_only_keep_the_step, check_matches_hugging_face, check_modes_agree,
+from fidelity import (check_expert_loads_count_every_occurrence, check_float32_gradients_as_accurate_as_transformers,
+                      check_loss_positions_only_keep_the_step, check_matches_hugging_face, check_modes_agree,
                       check_random_forest_compact_equals_expanded, check_recomputation_keeps_gradients_and_statistics,
                       compile_lists, small_forests, tiny_kimi_linear)
 
@@ -33,6 +34,10 @@ def model():
 
 def test_compact_matches_the_hugging_face_model_run_per_trajectory(model):
     check_matches_hugging_face(model)
+
+
+def test_float32_gradients_are_as_accurate_as_the_hugging_face_models_own(model):
+    check_float32_gradients_as_accurate_as_transformers(model)
 
 
 @pytest.mark.parametrize("mode", ["expanded", "nodewise"])

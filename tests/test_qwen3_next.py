@@ -29,7 +29,8 @@ from harts.executor.models.hf_reference import trajectory_logprobs
 from harts.executor.models.registry import runner_for
 from harts.executor.runtime import run_step
 
-from fidelity import (VOCAB, check_expert_loads_count_every_occurrence, check_matches_hugging_face, check_modes_agree,
+from fidelity import (VOCAB, check_expert_loads_count_every_occurrence, check_float32_gradients_as_accurate_as_transformers,
+                      check_matches_hugging_face, check_modes_agree,
                       check_random_forest_compact_equals_expanded, check_recomputation_keeps_gradients_and_statistics,
                       compile_lists, gradient_floor, hf_reference, relative_error, small_forests, tiny_qwen3_next)
 
@@ -54,6 +55,10 @@ def test_tiny_preset_has_the_structure_the_tests_rely_on(model):
 
 def test_compact_matches_the_hugging_face_model_run_per_trajectory(model):
     check_matches_hugging_face(model)
+
+
+def test_float32_gradients_are_as_accurate_as_the_hugging_face_models_own(model):
+    check_float32_gradients_as_accurate_as_transformers(model)
 
 
 @pytest.mark.parametrize("mode", ["expanded", "nodewise"])
