@@ -248,9 +248,8 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     finished: list[_MicrobatchResult] = []
     times = []
     # `closing`: a step that stops early (an exception, an interrupt) releases its live producers; the
-    # round layouts cached for this step's linear-attention calls, and what recomputation holds, go when
-    # it ends, whichever way.
-    with contextlib.closing(schedule), _step_scoped_round_layouts(), runner.recomputation_scope():
+    # round layouts cached for this step's linear-attention calls go when it ends, whichever way.
+    with contextlib.closing(schedule), _step_scoped_round_layouts():
         for i, (mb, group) in enumerate(progress(work, f"{mode} microbatches") if progress else work):
             t0 = time.perf_counter()
             layout = build_layout(mb, step.offsets, chunk_size, mode, members=group, windows=use_windows)

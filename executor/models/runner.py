@@ -18,7 +18,7 @@ Legend: R rows, D hidden size, H heads, K/V head dims.
 """
 from __future__ import annotations
 
-import contextlib
+import weakref
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -63,7 +63,6 @@ class RowRunner:
         # handoffs from the fixed layout when its gradient is needed.
         self.recompute = recompute
         self._recording = True
-        self._recomputable: list[_RecomputableLayer] = []
 
     @property
     def top_k(self) -> int:
@@ -94,27 +93,14 @@ class RowRunner:
         inputs = self.layer_inputs(layout, h_RD)
         self._recording = True
         for index, layer in enumerate(base.layers[: self.config.num_hidden_layers]):
-            args = (index, layer, h_RD, layout, context, inputs, stats, window)
             if self.recompute and torch.is_grad_enabled():
-                call = _RecomputableLayer(self.layer, args)
-                self._recomputable.append(call)
+                call = _RecomputableLayer(self.layer, index, layer, layout, context, inputs, stats, window)
                 h_RD = checkpoint(call, h_RD, use_reentrant=False)
             else:
-                h_RD = self.layer(*args)
+                h_RD = self.layer(index, layer, h_RD, layout, context, inputs, stats, window)
         # Statistics are recorded by the forward pass only, never by a recomputation in backward.
         self._recording = False
         return window.complete("final", -1, base.norm(h_RD))
-
-    @contextlib.contextmanager
-    def recomputation_scope(self):
-        """Hold the recomputable layers' arguments for one step; cut them when it ends, however it ends
-        (`_RecomputableLayer`)."""
-        try:
-            yield
-        finally:
-            for call in self._recomputable:
-                call.release()
-            self._recomputable.clear()
 
     def all_cached(self, layout: ExecLayout, stats: MoEStatistics | None, window) -> torch.Tensor:
         """A window consumer whose every row its producer computed: it reads only the router
@@ -174,26 +160,31 @@ class RowRunner:
 
 
 class _RecomputableLayer:
-    """One checkpointed decoder layer: `layer(index, module, h_RD, ...)` with every argument but the rows
-    held here, behind a reference the step cuts when it ends (`RowRunner.recomputation_scope`).
+    """One checkpointed decoder layer, `layer(index, module, h_RD, ...)`: what `checkpoint` keeps to
+    recompute it, with the window and the statistics record held by weak reference.
 
-    Why not hand them to `checkpoint` directly: torch keeps a recomputation's function and arguments in a
-    frame that the layer's saved activations point to from inside the autograd graph, and the window and
-    the statistics record hold graph tensors of their own. That closes a reference cycle through C++,
-    which Python's collector cannot see: harmless when the backward completes (it frees the saved
-    activations and with them the cycle), but a backward that fails part-way (an out-of-memory error in a
-    consumer, an interrupt) would otherwise keep the microbatch's whole graph alive, once per failure.
-    `release` breaks the cycle; after it, the layer cannot be recomputed.
+    torch keeps a recomputation's function and arguments in a frame that the layer's saved activations
+    point to from inside the autograd graph. The window and the statistics record hold graph tensors of
+    their own, so holding them strongly closes a reference cycle through C++, which Python's collector
+    cannot see: harmless when the backward completes (it frees the saved activations and with them the
+    cycle), but a backward that fails part-way (an out-of-memory error in a consumer, an interrupt) would
+    keep the microbatch's whole graph alive, once per failure. Their owners keep both alive for as long as
+    HARTS runs the backward that recomputes (the microbatch for its own, the schedule for a producer's);
+    the rest (layout, conv context, rotary tables) holds no graph and is kept as torch would.
     """
 
-    __slots__ = ("layer", "args")
+    __slots__ = ("layer", "index", "module", "layout", "context", "inputs", "stats", "window")
 
-    def __init__(self, layer, args: tuple):
-        self.layer, self.args = layer, args
+    def __init__(self, layer, index: int, module, layout: ExecLayout, context, inputs, stats, window):
+        self.layer, self.index, self.module = layer, index, module
+        self.layout, self.context, self.inputs = layout, context, inputs
+        self.stats = None if stats is None else weakref.ref(stats)
+        self.window = weakref.ref(window)
 
     def __call__(self, h_RD: torch.Tensor) -> torch.Tensor:
-        index, module, _, *rest = self.args
-        return self.layer(index, module, h_RD, *rest)
-
-    def release(self) -> None:
-        self.layer = self.args = None
+        stats = None if self.stats is None else self.stats()
+        window = self.window()
+        if window is None or (self.stats is not None and stats is None):
+            raise HartsError(f"decoder layer {self.index} was recomputed after its microbatch's window or "
+                             "statistics were released: recomputation runs only inside the step's own backward")
+        return self.layer(self.index, self.module, h_RD, self.layout, self.context, self.inputs, stats, window)
