@@ -494,8 +494,8 @@ def _token_error(value: list, where: _Where) -> InputError:
     vocab = where.vocab_size
     for i, x in enumerate(value):
         if type(x) is float and x.is_integer() and x >= 2**63:
-            # orjson reads integers beyond 64 bits as floats; report what the user wrote.
-            return where.error("tokens", f"tokens[{i}] = {x:.3g} does not fit in int32",
+            # orjson reads integers beyond 64 bits as floats: the digits are lost, say it was an integer.
+            return where.error("tokens", f"tokens[{i}] is an integer of about {x:.3g}, which does not fit in int32",
                                "token ids must be < 2**31; check the tokenizer output")
         if type(x) is not int:
             return where.error("tokens", f"tokens[{i}] is {_describe(x)}, expected an int >= 0",

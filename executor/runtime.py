@@ -92,9 +92,14 @@ def check_model_fits(plan: Plan, model) -> None:
                    if row in expand_runs(mb["run_row_start"][runs[j]:runs[j + 1]], mb["run_length"][runs[j]:runs[j + 1]])),
                   None)   # None only in a plan that breaks its invariants (harts run --no-check)
     where = "" if member is None else f"trajectory {plan.step['ids'][int(mb['member_trajectory'][member])]!r}: "
+    compiled_for = plan.flags.get("vocab_size")
+    if compiled_for is not None:   # the plan says which vocabulary it was checked against: not this model's
+        fix = (f"the plan was compiled for a vocabulary of {int(compiled_for)} (--vocab-size); fix: run it with "
+               "the model its tokens come from")
+    else:
+        fix = ("fix: use the model the tokens come from (compile with --vocab-size to catch this when compiling)")
     raise UsageError(f"{where}token {largest} at position {int(mb['row_position'][row])} is "
-                     f"outside the model's vocabulary of {vocab} entries; fix: compile with --vocab-size to "
-                     "catch this early, or use a model with a larger vocabulary")
+                     f"outside the model's vocabulary of {vocab} entries; {fix}")
 
 
 def trainable_gradients(model) -> dict:
@@ -221,9 +226,11 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
                          "(model.module): HARTS splits data parallelism by the plan's replicas (torchrun ... harts "
                          "run, or harts.executor.distributed; see docs/integration.md), not through a wrapper")
     if mode not in MODES:
-        raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
+        raise UsageError(f"mode must be one of {MODES}, got {mode!r}; fix: pass one of them ('compact' unless "
+                         "you are comparing against a baseline)")
     if logprobs not in LOGPROB_POSITIONS:
-        raise UsageError(f"logprobs must be one of {LOGPROB_POSITIONS}, got {logprobs!r}")
+        raise UsageError(f"logprobs must be one of {LOGPROB_POSITIONS}, got {logprobs!r}; fix: pass 'all' (every "
+                         "position) or 'loss' (only those the objective weighs)")
     check_model_fits(plan, model)
     started = time.perf_counter()
     chunk_size = int(plan.flags["chunk_size"])

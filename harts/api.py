@@ -55,8 +55,14 @@ def _per_token(values, lengths, name, dtype) -> list[np.ndarray]:
     if len(values) != len(lengths):
         raise ValueError(f"{name}: {len(values)} entries for {len(lengths)} trajectories; fix: give one per trajectory")
     arrays = [_as_numpy(v) for v in values]
-    for i, a in enumerate(arrays):
-        if a.dtype == bool and name != "loss_masks":   # a bool mask is natural; a bool advantage is a slip
+    for i, (v, a) in enumerate(zip(values, arrays)):
+        if name == "loss_masks":   # a bool mask is natural; a bool advantage or log-probability is a slip
+            continue
+        # numpy reads [0.5, True] as floats without a trace; a bool can only have become 0 or 1, so only
+        # those entries of a list are looked at, not every value.
+        mixed_in = (isinstance(v, (list, tuple)) and a.ndim == 1 and a.dtype.kind in "iuf"
+                    and any(type(v[j]) is bool for j in np.flatnonzero((a == 0) | (a == 1)).tolist()))
+        if a.dtype == bool or mixed_in:
             raise ValueError(f"trajectory {i}: {name} holds booleans; fix: give numbers (e.g. .float() first)")
     arrays = [a.astype(dtype) for a in arrays]
     for i, (a, n) in enumerate(zip(arrays, lengths)):
@@ -214,16 +220,12 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
     if advantages is not None and len(advantages) != len(lengths):
         raise ValueError(f"advantages: {len(advantages)} entries for {len(lengths)} trajectories; "
                          "fix: give one (scalar or per-token list) per trajectory")
-    first = np.ndim(advantages[0]) if advantages is not None and len(advantages) else None
-    per_token_adv = first == 1
-    if first in (0, 1):
-        # Only a 0-d entry against a 1-d one is a mix of forms; other shapes get the shape error below.
-        mixed = next((i for i, a in enumerate(advantages) if np.ndim(a) == 1 - first), None)
-        if mixed is not None:
-            form = ("a scalar", "a per-token list")
-            raise ValueError(f"advantages: trajectory 0 has {form[first]} but trajectory {mixed} {form[1 - first]}; "
-                             "fix: give every trajectory a scalar, or every trajectory a per-token list")
-    if advantages is not None and not per_token_adv:
+    per_token_adv = advantages is not None and any(np.ndim(a) != 0 for a in advantages)
+    if per_token_adv:
+        # Forms may mix, as in trees.jsonl records: a scalar is its value at every token (kept a list of the
+        # value itself, so a bool is refused below as in a per-token list).
+        advantages = [[a] * n if np.ndim(a) == 0 else a for a, n in zip(advantages, lengths)]
+    elif advantages is not None:
         advantages = _flat([[a] for a in advantages], [1] * len(lengths), "advantages")   # finite scalars
     batch = TrajectoryBatch.from_token_lists(tokens, ids=ids, loss_masks=loss_masks,
                                              advantages=None if per_token_adv else advantages)

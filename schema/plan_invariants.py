@@ -282,7 +282,7 @@ def check_plan(plan: Plan, trees_tokens: np.ndarray | None = None, trees_offsets
         raise VerificationError("token_offsets has one entry per trajectory, plus one",
                                 f"{len(step['token_offsets'])} entries for {num_trajectories} trajectories")
     if trees_offsets is not None and not np.array_equal(trees_offsets, step["token_offsets"]):
-        raise VerificationError("plan matches --trees", "trajectory lengths differ from the input file")
+        raise VerificationError("plan matches --trees", _length_mismatch(step, np.asarray(trees_offsets)))
     K = len(plan.microbatches)
     if K % dp:
         raise VerificationError("microbatch count is a multiple of dp", f"{K} microbatches, dp {dp}")
@@ -309,6 +309,20 @@ def check_plan(plan: Plan, trees_tokens: np.ndarray | None = None, trees_offsets
         if largest >= int(vocab_size):
             raise VerificationError("tokens lie in the vocabulary the plan was compiled for",
                                     f"token {largest} >= vocab_size {vocab_size}")
+
+
+def _length_mismatch(step: dict, trees_offsets: np.ndarray) -> str:
+    """Where the plan's trajectories and the input file's first differ in count or length."""
+    hint = " (was the plan compiled from another file?)"
+    planned = np.diff(np.asarray(step["token_offsets"], dtype=np.int64))
+    given = np.diff(trees_offsets.astype(np.int64))
+    n = min(len(planned), len(given))
+    differ = np.flatnonzero(planned[:n] != given[:n])
+    if len(differ) == 0:
+        return f"the plan has {len(planned)} trajectories, the input file {len(given)}{hint}"
+    k = int(differ[0])
+    return (f"trajectory {k} (id {step['ids'][k]!r} in the plan) has {int(planned[k])} tokens in the plan, "
+            f"{int(given[k])} in the input file{hint}")
 
 
 def check_step_matches(step: dict, ids, fields: dict) -> None:

@@ -56,15 +56,16 @@ TOKENS = [[1, 2, 3], [1, 2, 4]]
     (dict(tokens=TOKENS, vocab_size=0), "--vocab-size must be >= 1"),
     # Three unrelated trajectories that fit only one per microbatch cannot fill 2 replicas equally.
     (dict(tokens=[[1] * 12, [2] * 37, [3] * 37], dp=2, capacity=41), "e.g. 1 or 3"),
-    (dict(tokens=TOKENS, advantages=[0.5, [0.1, 0.2, 0.3]]), "trajectory 0 has a scalar but trajectory 1 a per-token"),
-    (dict(tokens=TOKENS, advantages=[[0.1, 0.2, 0.3], 0.5]), "trajectory 0 has a per-token list but trajectory 1 a"),
+    (dict(tokens=TOKENS, advantages=[[0.0, True, 1.0], [0.1, 0.2, 0.3]]), "trajectory 0: advantages holds booleans"),
+    (dict(tokens=TOKENS, advantages=[True, [0.1, 0.2, 0.3]]), "trajectory 0: advantages holds booleans"),
+    (dict(tokens=TOKENS, old_logprobs=[[0.0, -1.0, -1.0], [0.0, True, -1.0]]), "trajectory 1: old_logprobs holds"),
     (dict(tokens=TOKENS, advantages=[[0.1, 0.2, 0.3], [[0.1], [0.2], [0.3]]]),
      r"trajectory 1: advantages has shape \(3, 1\)"),
 ], ids=["negative", "float", "short", "vocab", "mask-length", "mask-value", "nan", "nan-advantage", "empty",
         "advantages", "ids", "ids-as-strings", "ids-count", "id-none", "id-float", "id-bool", "id-bytes", "id-huge",
         "id-surrogate", "tree-tuple", "trees-str", "tokens-none", "tokens-nested", "token-bool", "advantages-scalar",
         "mask-value-names-trajectory", "capacity", "bool-advantages", "bool-logprobs", "dp-0", "chunk-0", "levels", "vocab-0",
-        "dp-cannot-fill", "advantages-scalar-then-list", "advantages-list-then-scalar",
+        "dp-cannot-fill", "advantages-bool-in-list", "advantages-bool-scalar-among-lists", "logprobs-bool-in-list",
         "advantages-nested"])
 def test_bad_batches_are_value_errors_with_a_fix(kwargs, words):
     tokens = kwargs.pop("tokens")
@@ -86,6 +87,22 @@ def test_ids_and_trees_give_the_plan_hartsc_writes(tmp_path):
     plan = api.compile_trajectories([r["tokens"] for r in records], ids=[np.int64(7), "b", 9],
                                     trees=[r.get("tree") for r in records], capacity=16, chunk_size=2)
     assert plan.step["trees"] == ["task0", 3, None]
+    assert encode_plan(plan) == (tmp_path / "cli.plan").read_bytes()
+
+
+def test_scalar_and_per_token_advantages_mix_as_in_records(tmp_path):
+    """A scalar advantage is its value at every token, next to per-token lists, as in trees.jsonl records:
+    the same bytes as hartsc writes from them."""
+    from harts.compiler.cli import main as hartsc_main
+    records = [{"id": "a", "tokens": [1, 2, 3, 4], "advantages": 0.5},
+               {"id": "b", "tokens": [1, 2, 3, 5], "advantages": [0.0, 0.1, 0.2, -0.3]},
+               {"id": "c", "tokens": [6, 7, 8], "advantages": -1}]
+    path = tmp_path / "trees.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert hartsc_main([str(path), "-o", str(tmp_path / "cli.plan"), "--capacity", "16", "--chunk-size", "2"]) == 0
+    plan = api.compile_trajectories([r["tokens"] for r in records], ids=[r["id"] for r in records],
+                                    advantages=[r["advantages"] for r in records], capacity=16, chunk_size=2)
+    np.testing.assert_array_equal(plan.step["advantages"], np.float32([0.5] * 4 + [0.0, 0.1, 0.2, -0.3] + [-1] * 3))
     assert encode_plan(plan) == (tmp_path / "cli.plan").read_bytes()
 
 
@@ -166,6 +183,8 @@ def tiny_model():
     ("microbatch-negative", r"got \[-1\]"),
     ("microbatch-twice", r"got \[0, 0\]; fix: pass each microbatch once"),
     ("loss-name", "loss must be a LossConfig here, got str"),
+    ("mode-typo", r"mode must be one of .*, got 'compat'; fix: pass one of them"),
+    ("logprobs-typo", r"logprobs must be one of .*, got 'los'; fix: pass 'all'"),
 ])
 def test_run_arguments_it_cannot_run_are_usage_errors(tiny_model, case, words):
     """Found by a user audit: each gave a raw torch or Python error from inside the step, and repeated
@@ -183,6 +202,10 @@ def test_run_arguments_it_cannot_run_are_usage_errors(tiny_model, case, words):
         model = copy.deepcopy(tiny_model).requires_grad_(False)
     elif case == "loss-name":
         kwargs["loss"] = "grpo"
+    elif case == "mode-typo":
+        kwargs["mode"] = "compat"
+    elif case == "logprobs-typo":
+        kwargs["logprobs"] = "los"
     elif case.startswith("microbatch"):
         kwargs["microbatches"] = {"microbatch-out-of-range": [99], "microbatch-negative": [-1],
                                   "microbatch-twice": [0, 0]}[case]

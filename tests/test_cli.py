@@ -159,6 +159,21 @@ def test_check_trees_compares_ids_and_rl_fields_not_only_tokens(tmp_path, trees,
     assert "\n" not in err and "plan matches --trees" in err and words in err, err
 
 
+@pytest.mark.parametrize("edit, words", [
+    (lambda r: [r[0], dict(r[1], tokens=r[1]["tokens"] + [12], loss_mask=r[1]["loss_mask"] + [1]), *r[2:]],
+     "trajectory 1 (id 'b' in the plan) has 10 tokens in the plan, 11 in the input file"),
+    (lambda r: r[:-1], "the plan has 4 trajectories, the input file 3"),
+], ids=["longer", "fewer"])
+def test_check_trees_names_where_lengths_differ(tmp_path, trees, capsys, edit, words):
+    plan = tmp_path / "step.plan"
+    assert hartsc_main([str(trees), "-o", str(plan)]) == 0
+    capsys.readouterr()
+    other = write_trees(tmp_path / "other.jsonl", edit(TREES))
+    assert harts_main(["check", str(plan), "--trees", str(other)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and words in err and "compiled from another file?" in err, err
+
+
 def test_check_refuses_tokens_outside_the_compiled_vocabulary(tmp_path, trees, capsys):
     plan_path = tmp_path / "step.plan"
     assert hartsc_main([str(trees), "-o", str(plan_path), "--vocab-size", "32"]) == 0

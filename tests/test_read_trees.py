@@ -114,7 +114,7 @@ BAD = [
     Bad("tokens_out_of_vocab", [tok(tokens="[4, 99, 100]")], 1, "tokens", "tokens[2] = 100 is outside",
         {"vocab_size": 100}),
     Bad("tokens_beyond_int32", [tok(tokens=f"[4, {2**31}]")], 1, "tokens", "does not fit in int32"),
-    Bad("tokens_beyond_int64", [tok(tokens=f"[4, {10**30}]")], 1, "tokens", "does not fit in int32"),
+    Bad("tokens_beyond_int64", [tok(tokens=f"[4, {10**30}]")], 1, "tokens", "an integer of about 1e+30, which does not fit"),
     Bad("tokens_over_capacity", [GOOD, GOOD.replace("0", "1"), tok(tokens="[1, 2, 3, 4]")], 3, "tokens",
         "more than the microbatch capacity 3", {"capacity": 3}),
     Bad("loss_mask_not_a_list", [tok(', "loss_mask": 1')], 1, "loss_mask", "expected a list"),

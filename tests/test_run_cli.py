@@ -165,6 +165,24 @@ def test_vocabulary_mismatch_is_one_line(workspace, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     # The largest token, 21, is the last of trajectory 7: the line names where it sits.
     assert "\n" not in err and "trajectory 7: token 21 at position 5 is outside the model's vocabulary of 16" in err
+    assert "the plan was compiled for a vocabulary of 64 (--vocab-size); fix: run it with the model" in err
+
+
+def test_a_plan_compiled_for_another_vocabulary_says_so():
+    """Without --vocab-size the plan checked nothing: compiling with it is the fix; with it, the model is."""
+    from types import SimpleNamespace
+
+    import harts.api as api
+    from harts.executor.runtime import check_model_fits
+
+    small = SimpleNamespace(config=SimpleNamespace(vocab_size=16))
+    unchecked = api.compile_trajectories([[1, 2, 30], [1, 2, 3]], capacity=16, chunk_size=2)
+    with pytest.raises(api.UsageError, match=r"fix: use the model the tokens come from \(compile with --vocab-size"):
+        check_model_fits(unchecked, small)
+    plan = api.compile_trajectories([[1, 2, 30], [1, 2, 3]], vocab_size=32, capacity=16, chunk_size=2)
+    with pytest.raises(api.UsageError, match="token 30 at position 2 is outside the model's vocabulary of 16 entries; "
+                                             "the plan was compiled for a vocabulary of 32"):
+        check_model_fits(plan, small)
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message of a machine without CUDA")
