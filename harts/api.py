@@ -50,18 +50,36 @@ def _as_numpy(values, dtype=None) -> np.ndarray:
     return np.asarray(values, dtype=dtype)
 
 
+def _is_boolean(x) -> bool:
+    """A Python, numpy or torch boolean scalar."""
+    return isinstance(x, (bool, np.bool_)) or (hasattr(x, "dtype") and getattr(x, "ndim", 1) == 0
+                                               and str(x.dtype) in ("bool", "torch.bool"))
+
+
 def _per_token(values, lengths, name, dtype) -> list[np.ndarray]:
     """One array per trajectory, each exactly as long as its tokens (one clear error otherwise)."""
     if len(values) != len(lengths):
         raise ValueError(f"{name}: {len(values)} entries for {len(lengths)} trajectories; fix: give one per trajectory")
-    arrays = [_as_numpy(v) for v in values]
+    arrays = []
+    for i, v in enumerate(values):
+        try:
+            arrays.append(_as_numpy(v))
+        except (TypeError, ValueError, RuntimeError):   # ragged nesting, tensors numpy cannot take, ...
+            raise ValueError(f"trajectory {i}: {name} is not a flat list of numbers; "
+                             "fix: give one number per token") from None
     for i, (v, a) in enumerate(zip(values, arrays)):
+        # numpy would parse "0.5" as a number; None (mixed with numbers: an object array) is NaN, as null is
+        # in a record, and is refused later wherever a loss reads it.
+        if a.dtype.kind not in "biuf" and not (a.dtype.kind == "O" and all(
+                x is None or (isinstance(x, (int, float, np.number)) and not isinstance(x, np.str_))
+                for x in a.ravel().tolist())):
+            raise ValueError(f"trajectory {i}: {name} holds {a.dtype} values, not numbers; fix: give numbers")
         if name == "loss_masks":   # a bool mask is natural; a bool advantage or log-probability is a slip
             continue
         # numpy reads [0.5, True] as floats without a trace; a bool can only have become 0 or 1, so only
         # those entries of a list are looked at, not every value.
         mixed_in = (isinstance(v, (list, tuple)) and a.ndim == 1 and a.dtype.kind in "iuf"
-                    and any(type(v[j]) is bool for j in np.flatnonzero((a == 0) | (a == 1)).tolist()))
+                    and any(_is_boolean(v[j]) for j in np.flatnonzero((a == 0) | (a == 1)).tolist()))
         if a.dtype == bool or mixed_in:
             raise ValueError(f"trajectory {i}: {name} holds booleans; fix: give numbers (e.g. .float() first)")
     arrays = [a.astype(dtype) for a in arrays]
@@ -220,11 +238,17 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
     if advantages is not None and len(advantages) != len(lengths):
         raise ValueError(f"advantages: {len(advantages)} entries for {len(lengths)} trajectories; "
                          "fix: give one (scalar or per-token list) per trajectory")
-    per_token_adv = advantages is not None and any(np.ndim(a) != 0 for a in advantages)
+    if advantages is not None:
+        # None is "not given" (0.0), as null in a record; a torch scalar (bfloat16, or one that requires a
+        # gradient) goes through numpy here, where np.ndim below could not take it.
+        advantages = [0.0 if a is None else _as_numpy(a) if hasattr(a, "detach") else a for a in advantages]
+    scalar = None if advantages is None else [not isinstance(a, (list, tuple)) and np.ndim(a) == 0
+                                               for a in advantages]   # (np.ndim fails on a ragged list)
+    per_token_adv = scalar is not None and not all(scalar)
     if per_token_adv:
         # Forms may mix, as in trees.jsonl records: a scalar is its value at every token (kept a list of the
         # value itself, so a bool is refused below as in a per-token list).
-        advantages = [[a] * n if np.ndim(a) == 0 else a for a, n in zip(advantages, lengths)]
+        advantages = [[a] * n if one else a for a, n, one in zip(advantages, lengths, scalar)]
     elif advantages is not None:
         advantages = _flat([[a] for a in advantages], [1] * len(lengths), "advantages")   # finite scalars
     batch = TrajectoryBatch.from_token_lists(tokens, ids=ids, loss_masks=loss_masks,

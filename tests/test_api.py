@@ -59,6 +59,9 @@ TOKENS = [[1, 2, 3], [1, 2, 4]]
     (dict(tokens=TOKENS, advantages=[[0.0, True, 1.0], [0.1, 0.2, 0.3]]), "trajectory 0: advantages holds booleans"),
     (dict(tokens=TOKENS, advantages=[True, [0.1, 0.2, 0.3]]), "trajectory 0: advantages holds booleans"),
     (dict(tokens=TOKENS, old_logprobs=[[0.0, -1.0, -1.0], [0.0, True, -1.0]]), "trajectory 1: old_logprobs holds"),
+    (dict(tokens=TOKENS, advantages=["0.5", 1.0]), "trajectory 0: advantages holds <U3 values, not numbers"),
+    (dict(tokens=TOKENS, advantages=[[0.5, np.True_, 0.2], 1.0]), "trajectory 0: advantages holds booleans"),
+    (dict(tokens=TOKENS, advantages=[[0.0, [1.0], 0.2], 1.0]), "trajectory 0: advantages is not a flat list"),
     (dict(tokens=TOKENS, advantages=[[0.1, 0.2, 0.3], [[0.1], [0.2], [0.3]]]),
      r"trajectory 1: advantages has shape \(3, 1\)"),
 ], ids=["negative", "float", "short", "vocab", "mask-length", "mask-value", "nan", "nan-advantage", "empty",
@@ -66,6 +69,7 @@ TOKENS = [[1, 2, 3], [1, 2, 4]]
         "id-surrogate", "tree-tuple", "trees-str", "tokens-none", "tokens-nested", "token-bool", "advantages-scalar",
         "mask-value-names-trajectory", "capacity", "bool-advantages", "bool-logprobs", "dp-0", "chunk-0", "levels", "vocab-0",
         "dp-cannot-fill", "advantages-bool-in-list", "advantages-bool-scalar-among-lists", "logprobs-bool-in-list",
+        "advantages-string", "advantages-numpy-bool-in-list", "advantages-ragged",
         "advantages-nested"])
 def test_bad_batches_are_value_errors_with_a_fix(kwargs, words):
     tokens = kwargs.pop("tokens")
@@ -104,6 +108,16 @@ def test_scalar_and_per_token_advantages_mix_as_in_records(tmp_path):
                                     advantages=[r["advantages"] for r in records], capacity=16, chunk_size=2)
     np.testing.assert_array_equal(plan.step["advantages"], np.float32([0.5] * 4 + [0.0, 0.1, 0.2, -0.3] + [-1] * 3))
     assert encode_plan(plan) == (tmp_path / "cli.plan").read_bytes()
+
+
+def test_advantages_take_none_and_any_torch_scalar():
+    """None is 'not given' (0.0), as null in a record; torch scalars in bfloat16 or requiring a gradient are
+    numbers (found by an audit: raw torch/numpy errors)."""
+    plan = api.compile_trajectories(TOKENS, advantages=[None, torch.tensor(0.5, dtype=torch.bfloat16,
+                                                                              requires_grad=True)])
+    np.testing.assert_array_equal(plan.step["advantages"], np.float32([0, 0, 0, 0.5, 0.5, 0.5]))
+    mixed = api.compile_trajectories(TOKENS, advantages=[torch.tensor(-1.0, requires_grad=True), [0.1, 0.2, 0.3]])
+    np.testing.assert_array_equal(mixed.step["advantages"], np.float32([-1, -1, -1, 0.1, 0.2, 0.3]))
 
 
 def test_generators_are_taken_as_sequences():
