@@ -70,12 +70,14 @@ def _per_token(values, lengths, name, dtype) -> list[np.ndarray]:
     for i, (v, a) in enumerate(zip(values, arrays)):
         # numpy would parse "0.5" as a number; None (mixed with numbers: an object array) is NaN, as null is
         # in a record, and is refused later wherever a loss reads it.
-        if a.dtype.kind not in "biuf" and not (a.dtype.kind == "O" and all(
-                x is None or (isinstance(x, (int, float, np.number)) and not isinstance(x, np.str_))
-                for x in a.ravel().tolist())):
+        elements = a.ravel().tolist() if a.dtype.kind == "O" else ()
+        if a.dtype.kind not in "biufO" or not all(x is None or isinstance(x, (int, float, np.number))
+                                                  for x in elements):
             raise ValueError(f"trajectory {i}: {name} holds {a.dtype} values, not numbers; fix: give numbers")
         if name == "loss_masks":   # a bool mask is natural; a bool advantage or log-probability is a slip
             continue
+        if any(_is_boolean(x) for x in elements):
+            raise ValueError(f"trajectory {i}: {name} holds booleans; fix: give numbers (e.g. .float() first)")
         # numpy reads [0.5, True] as floats without a trace; a bool can only have become 0 or 1, so only
         # those entries of a list are looked at, not every value.
         mixed_in = (isinstance(v, (list, tuple)) and a.ndim == 1 and a.dtype.kind in "iuf"

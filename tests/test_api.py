@@ -62,6 +62,7 @@ TOKENS = [[1, 2, 3], [1, 2, 4]]
     (dict(tokens=TOKENS, advantages=["0.5", 1.0]), "trajectory 0: advantages holds <U3 values, not numbers"),
     (dict(tokens=TOKENS, advantages=[[0.5, np.True_, 0.2], 1.0]), "trajectory 0: advantages holds booleans"),
     (dict(tokens=TOKENS, advantages=[[0.0, [1.0], 0.2], 1.0]), "trajectory 0: advantages is not a flat list"),
+    (dict(tokens=TOKENS, old_logprobs=[[None, True, -1.0], [0.0, -1.0, -1.0]]), "trajectory 0: old_logprobs holds b"),
     (dict(tokens=TOKENS, advantages=[[0.1, 0.2, 0.3], [[0.1], [0.2], [0.3]]]),
      r"trajectory 1: advantages has shape \(3, 1\)"),
 ], ids=["negative", "float", "short", "vocab", "mask-length", "mask-value", "nan", "nan-advantage", "empty",
@@ -69,7 +70,7 @@ TOKENS = [[1, 2, 3], [1, 2, 4]]
         "id-surrogate", "tree-tuple", "trees-str", "tokens-none", "tokens-nested", "token-bool", "advantages-scalar",
         "mask-value-names-trajectory", "capacity", "bool-advantages", "bool-logprobs", "dp-0", "chunk-0", "levels", "vocab-0",
         "dp-cannot-fill", "advantages-bool-in-list", "advantages-bool-scalar-among-lists", "logprobs-bool-in-list",
-        "advantages-string", "advantages-numpy-bool-in-list", "advantages-ragged",
+        "advantages-string", "advantages-numpy-bool-in-list", "advantages-ragged", "logprobs-bool-beside-none",
         "advantages-nested"])
 def test_bad_batches_are_value_errors_with_a_fix(kwargs, words):
     tokens = kwargs.pop("tokens")
