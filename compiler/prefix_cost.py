@@ -143,13 +143,24 @@ class PrefixCostModel:
     lcp: np.ndarray              # int64[N], lcp[0] == 0
     lcp_min: RangeMin            # range minimum over lcp: LCP(i, j) = lcp_min.min(i + 1, j)
     unique_prefix_sum: np.ndarray  # int64[N + 1], U[i] = sum_{j < i}(lengths[j] - lcp[j])
+    # Trees: maximal runs of positions with LCP > 0 to their neighbour. Position i's tree is
+    # [tree_start[i], tree_stop[i]); a position outside it shares no token with i.
+    tree_start: np.ndarray       # int64[N]
+    tree_stop: np.ndarray        # int64[N]
 
     @staticmethod
     def build(lengths, lcp) -> "PrefixCostModel":
         lengths, lcp = validate_sorted_lcp(lengths, lcp)
         unique = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths - lcp, out=unique[1:])
-        return PrefixCostModel(lengths, lcp, RangeMin.build(lcp), unique)
+        n = len(lengths)
+        index = np.arange(n, dtype=np.int64)
+        roots = lcp == 0   # lcp[0] == 0: position 0 starts the first tree
+        tree_start = np.maximum.accumulate(np.where(roots, index, 0)) if n else index
+        # The next root after i (n past the last): the reversed running minimum of root indices.
+        next_root = np.append(np.where(roots, index, n)[1:], n)
+        tree_stop = np.minimum.accumulate(next_root[::-1])[::-1] if n else index
+        return PrefixCostModel(lengths, lcp, RangeMin.build(lcp), unique, tree_start, tree_stop)
 
     @property
     def num_trajectories(self) -> int:

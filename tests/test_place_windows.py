@@ -621,6 +621,41 @@ def test_member_growth_is_what_a_consumer_adds_to_hold_a_trajectory(seed):
         assert members.growth([x, x], [want.index(max(want)), 0]).tolist() == [max(want), want[0]]
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_packing_growth_reads_only_consumers_in_the_runs_tree(seed):
+    """Repacking's growth query against its definition, C(members + run) - C(members), for every consumer:
+    with many consumers and small trees (single trajectories, step-wise trees) it reads the LCPs of the
+    consumers holding a member of the run's tree only, and every other one grows by the run's whole
+    cost; a tree spanning more positions than there are consumers reads them all. Both must be exact."""
+    from harts.compiler.placement.packing import _Consumers
+
+    rng = np.random.default_rng(seed)
+    singles = [[200 + i] + rng.integers(0, 5, size=int(rng.integers(1, 6))).tolist() for i in range(30)]
+    lists = sorted(_step_wise_forest(seed, trees=3) + singles)
+    lengths, lcp = lengths_and_lcp(lists)
+    model = PrefixCostModel.build(lengths, lcp)
+    n = len(lists)
+    # Trees by definition: positions i, j share a token exactly when they lie in one tree.
+    for i in range(n):
+        tree = range(int(model.tree_start[i]), int(model.tree_stop[i]))
+        assert all((lists[i][0] == lists[j][0]) == (j in tree) for j in range(n)), i
+    count = 12
+    consumers = _Consumers(model, count)
+    assigned = rng.random(n) < 0.5
+    for x in np.flatnonzero(assigned).tolist():
+        k = int(rng.integers(count))
+        members = consumers.members[k]
+        consumers.add(k, np.array([x]), model.cost(sorted(members + [x])) - model.cost(members), len(lists[x]))
+    for start in np.flatnonzero(~assigned).tolist():
+        stop = start + 1   # a run: consecutive unassigned positions (no member inside it)
+        while stop < n and not assigned[stop] and stop - start < 3:
+            stop += 1
+        run = np.arange(start, stop)
+        want = [model.cost(sorted(members + run.tolist())) - model.cost(members) for members in consumers.members]
+        assert consumers.growth(run, model.cost(run)).tolist() == want, (start, stop)
+        assert consumers.growth(run, model.cost(run), [3, 0]).tolist() == [want[3], want[0]]
+
+
 def branching_consumers(seed: int, branches: int = 5, per_branch: int = 3):
     """A trunk with long branches, each ending in short distinct tails; consumer k holds branch k, except two
     trajectories given to the next consumer, so two branches are shared and the producer caches them. Moving
