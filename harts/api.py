@@ -56,6 +56,16 @@ def _is_boolean(x) -> bool:
                                                and str(x.dtype) in ("bool", "torch.bool"))
 
 
+def _first_boolean(values, array: np.ndarray) -> int | None:
+    """Index of the first boolean in a list or tuple `values` that numpy read as numbers (`array`), or None.
+
+    numpy reads [True, 2, 3] as ints and [0.5, True] as floats without a trace; a bool can only have become
+    0 or 1, so only those entries are looked at (a few per trajectory), not every value."""
+    if not isinstance(values, (list, tuple)) or array.ndim != 1 or array.dtype.kind not in "iuf":
+        return None
+    return next((j for j in np.flatnonzero((array == 0) | (array == 1)).tolist() if _is_boolean(values[j])), None)
+
+
 def _per_token(values, lengths, name, dtype) -> list[np.ndarray]:
     """One array per trajectory, each exactly as long as its tokens (one clear error otherwise)."""
     if len(values) != len(lengths):
@@ -74,15 +84,9 @@ def _per_token(values, lengths, name, dtype) -> list[np.ndarray]:
         if a.dtype.kind not in "biufO" or not all(x is None or isinstance(x, (int, float, np.number))
                                                   for x in elements):
             raise ValueError(f"trajectory {i}: {name} holds {a.dtype} values, not numbers; fix: give numbers")
-        if name == "loss_masks":   # a bool mask is natural; a bool advantage or log-probability is a slip
-            continue
-        if any(_is_boolean(x) for x in elements):
-            raise ValueError(f"trajectory {i}: {name} holds booleans; fix: give numbers (e.g. .float() first)")
-        # numpy reads [0.5, True] as floats without a trace; a bool can only have become 0 or 1, so only
-        # those entries of a list are looked at, not every value.
-        mixed_in = (isinstance(v, (list, tuple)) and a.ndim == 1 and a.dtype.kind in "iuf"
-                    and any(_is_boolean(v[j]) for j in np.flatnonzero((a == 0) | (a == 1)).tolist()))
-        if a.dtype == bool or mixed_in:
+        # A bool mask is natural; a bool advantage or log-probability is a slip.
+        if name != "loss_masks" and (a.dtype == bool or any(_is_boolean(x) for x in elements)
+                                     or _first_boolean(v, a) is not None):
             raise ValueError(f"trajectory {i}: {name} holds booleans; fix: give numbers (e.g. .float() first)")
     arrays = [a.astype(dtype) for a in arrays]
     for i, (a, n) in enumerate(zip(arrays, lengths)):
@@ -182,13 +186,10 @@ def _check_tokens(tokens, vocab_size: int | None) -> None:
             raise ValueError(f"trajectory {i}: tokens must be a list of at least 2 ids; fix: drop or extend it")
         if a.dtype.kind not in "iu":
             raise ValueError(f"trajectory {i}: tokens have dtype {a.dtype}; fix: give integer token ids")
-        if isinstance(t, (list, tuple)):
-            # numpy reads [True, 2, 3] as ints without a trace; a bool can only have become 0 or 1, so only
-            # those entries are looked at (a few per trajectory: pad and bos), not every token.
-            flagged = [j for j in np.flatnonzero(a <= 1).tolist() if type(t[j]) is bool]
-            if flagged:
-                raise ValueError(f"trajectory {i}: tokens[{flagged[0]}] is {t[flagged[0]]} (a boolean); "
-                                 "fix: give integer token ids")
+        flagged = _first_boolean(t, a)
+        if flagged is not None:
+            raise ValueError(f"trajectory {i}: tokens[{flagged}] is {t[flagged]} (a boolean); "
+                             "fix: give integer token ids")
         if a.min() < 0 or (vocab_size is not None and a.max() >= vocab_size) or a.max() >= 2**31:
             raise ValueError(f"trajectory {i}: token ids must lie in [0, {vocab_size or 2**31}); "
                              f"got [{int(a.min())}, {int(a.max())}]; fix: use the model tokenizer's ids")
