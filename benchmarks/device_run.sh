@@ -2,7 +2,8 @@
 # One lent-GPU session's device check, split over processes so that fla's first compiles
 # (CPU-bound, one configuration after another) do not starve the rest. Writes its logs to $OUT.
 #
-#   bash benchmarks/device_run.sh [seconds]      # default 420: every process is stopped by then
+#   bash benchmarks/device_run.sh [seconds]      # default 420: every check is stopped by then, and
+#                                                # the cost-model calibration 90 s later
 #
 # Needs the image the device tool lends (torch, Triton, msgpack, networkx, hypothesis) and the
 # wheels in the ignored .whl/ (fla-core, flash-linear-attention, transformers, regex, zstandard,
@@ -38,4 +39,9 @@ TRITON_F32_DEFAULT=ieee check fla-ieee --fla-autotune-configs 1 --sections ops,f
 check nccl --no-fla --sections nccl &
 check main --no-fla --sections syncs,update --repeat 3 --budget-s $((limit - 120))
 wait
-tail -n 80 "$out"/main.log "$out"/nccl.log "$out"/fla-channel.log "$out"/fla-ieee.log
+# L2's cost model on this GPU (our torch linear attention: fla's first compiles would be timed otherwise).
+harts init-model --preset tiny --vocab-size 32000 -o /tmp/calibrate-model > /dev/null 2>&1
+HARTS_LINEAR_ATTENTION=torch timeout 90 harts calibrate --model /tmp/calibrate-model --device cuda \
+    --rows 65536 --lengths 512,2048,8192,32768 > "$out/calibrate.log" 2>&1
+echo "calibrate exited $?" >> "$out/calibrate.log"
+tail -n 80 "$out"/main.log "$out"/nccl.log "$out"/fla-channel.log "$out"/fla-ieee.log "$out"/calibrate.log

@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "gen": ("harts.tools.gen", "generate a synthetic agentic workload (stepwise or treestep)"),
     "diff": ("harts.tools.diff", "what changed between two plans (--json for one JSON object)"),
     "viz": ("harts.tools.viz", "write a self-contained HTML page of plots of a plan"),
+    "calibrate": ("harts.tools.calibrate", "time a model to fit L2's cost model (hartsc --pairs-per-token)"),
 }
 
 

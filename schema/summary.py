@@ -60,8 +60,8 @@ def producer_work(plan: Plan) -> np.ndarray:
     return work
 
 
-def computed_cost(entity: dict, weights: RowCostWeights, cached_by=None) -> int:
-    """Forward + backward cost (`harts.schema.cost_model`) of the rows a consumer or producer computes.
+def computed_terms(entity: dict, cached_by=None) -> tuple[int, int, int]:
+    """(n, A, R) of the rows a consumer or producer computes (`harts.schema.cost_model`).
 
     A row is computed unless `cached_by` (aligned with the rows) is >= 0. Each
     computed row's pairs are its position + 1; its rectangle term is the length
@@ -85,7 +85,12 @@ def computed_cost(entity: dict, weights: RowCostWeights, cached_by=None) -> int:
     cached = np.bincount(member_runs, weights=run_cached, minlength=members).astype(np.int64)
     created = length - np.maximum(np.asarray(entity["member_own_start"], dtype=np.int64), cached)
     rectangle = int((np.maximum(created, 0) * length).sum())
-    return weights.cost(rows, pairs, rectangle)
+    return rows, pairs, rectangle
+
+
+def computed_cost(entity: dict, weights: RowCostWeights, cached_by=None) -> int:
+    """Forward + backward cost of the rows a consumer or producer computes (`computed_terms`)."""
+    return weights.cost(*computed_terms(entity, cached_by))
 
 
 def cost_work(plan: Plan) -> tuple[np.ndarray, np.ndarray]:

@@ -166,7 +166,7 @@ def run_model(out: Path, plan_path: Path, model_dir: Path, seed: int, started: f
         ("trajectories", f"{stats['trajectories']}"),
         ("original tokens", f"{tokens:,}"),
         ("microbatches, sharing windows", f"{stats['microbatches']}, {stats['windows']}"),
-        ("compact rows, compression (L1)", f"{stats['compact_tokens']:,}, {stats['compression']:.2f}x"),
+        ("compact rows, compression (no windows)", f"{stats['compact_tokens']:,}, {stats['compression']:.2f}x"),
         ("decoder rows, compression (L2)", f"{stats['decoder_tokens']:,}, {stats['compression_l2']:.2f}x"),
         ("linear-attention rounds (max)", f"{stats['max_rounds']}"),
         ("expanded forward+backward", f"{expanded.seconds:.2f} s ({tokens / expanded.seconds:,.0f} tokens/s)"),

@@ -1,0 +1,113 @@
+"""`harts calibrate`: the fit against scipy's NNLS, probe terms against closed forms, the command end to end.
+
+Run: `python -m pytest tests/test_calibrate.py -q`.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from scipy.optimize import nnls
+
+from harts.api import compile_trajectories
+from harts.cli import main as harts
+from harts.compiler.cli import main as hartsc
+from harts.schema.plan import read_plan
+from harts.schema.summary import computed_terms, plan_statistics
+from harts.tools.calibrate import fit_nonnegative, pairs_per_token, probe_shapes, probe_tokens
+
+from run_workspace import make_run_workspace
+
+
+def test_fit_recovers_the_coefficients_of_exact_timings():
+    rows = np.array([256, 16384, 1024, 16384, 4096, 16384], dtype=np.float64)
+    pair_term = np.array([3e4, 2e6, 5e5, 8e6, 8e6, 3e7]) * 3
+    seconds = 0.01 + 2e-5 * rows + 3e-9 * pair_term
+    fit = fit_nonnegative(rows, pair_term, seconds)
+    assert fit.intercept == pytest.approx(0.01, rel=1e-9)
+    assert fit.per_row == pytest.approx(2e-5, rel=1e-9)
+    assert fit.per_pair == pytest.approx(3e-9, rel=1e-9)
+    assert fit.worst_relative_error < 1e-9
+    assert pairs_per_token(fit, 3) == pytest.approx(2e-5 / 9e-9, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_fit_is_scipys_nonnegative_least_squares_of_relative_errors(seed):
+    """The subset enumeration against scipy.optimize.nnls on the same relative-error system, including
+    timings a negative coefficient would fit better (noise, or a falling cost)."""
+    rng = np.random.default_rng(seed)
+    count = int(rng.integers(3, 9))
+    rows = rng.integers(1, 20000, count).astype(np.float64)
+    pair_term = rng.integers(1, 10**8, count).astype(np.float64)
+    coefficients = rng.normal(size=3) * np.array([0.05, 1e-5, 1e-9])
+    seconds = np.abs(coefficients[0] + coefficients[1] * rows + coefficients[2] * pair_term) + 1e-3
+    seconds *= np.exp(rng.normal(scale=0.2, size=count))
+    fit = fit_nonnegative(rows, pair_term, seconds)
+    columns = np.stack([np.ones(count), rows, pair_term], axis=1) / seconds[:, None]
+    scale = np.abs(columns).max(axis=0)   # scipy's active-set method wants columns of like size
+    reference, _ = nnls(columns / scale, np.ones(count))
+    reference /= scale
+    ours = np.array([fit.intercept, fit.per_row, fit.per_pair])
+    residual = lambda c: np.sum((columns @ c - 1.0) ** 2)   # noqa: E731
+    assert np.all(ours >= 0)
+    assert residual(ours) <= residual(reference) * (1 + 1e-9) + 1e-12
+
+
+@pytest.mark.parametrize("length, count", [(5, 1), (5, 7), (64, 3), (130, 2)])
+def test_probe_terms_are_those_of_independent_sequences(length, count):
+    """A probe shares nothing: n = cL, A = c L(L+1)/2 and R = c L^2, read from its compiled plan."""
+    plan = compile_trajectories(probe_tokens(length, count, vocab=64, seed=1), levels="l1", dp=1,
+                                capacity=length * count, chunk_size=4, vocab_size=64)
+    assert len(plan.microbatches) == 1
+    assert computed_terms(plan.microbatches[0]) == (count * length, count * length * (length + 1) // 2,
+                                                    count * length * length)
+
+
+def test_probe_shapes_vary_rows_and_depth_apart():
+    assert probe_shapes([256, 1024, 16384], 16384) == [(256, 1), (256, 64), (1024, 1), (1024, 16), (16384, 1)]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    trees = [{"id": i, "tokens": [1, 2, 3, 4, 5, 6] + rng.integers(7, 64, int(rng.integers(2, 9))).tolist()}
+             for i in range(10)]
+    folder = make_run_workspace(tmp_path_factory.mktemp("calibrate"), trees)
+    assert hartsc([str(folder / "trees.jsonl"), "-o", str(folder / "dp2.plan"), "--chunk-size", "2",
+                   "--dp", "2", "--capacity", "24", "--levels", "l1", "--vocab-size", "64"]) == 0
+    return folder
+
+
+def test_calibrate_times_probes_and_the_plan(workspace, capsys):
+    assert harts(["calibrate", "--model", str(workspace / "model"), "--lengths", "8,32", "--rows", "64",
+                  "--repeat", "1", "--chunk-size", "2", "--plan", str(workspace / "dp2.plan"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [(p["rows"], p["pairs"], p["rectangle"]) for p in result["probes"]] == [
+        (8, 36, 64), (64, 288, 512), (32, 528, 1024), (64, 1056, 2048)]
+    assert all(p["total"] > 0 and p["forward"] > 0 for p in result["probes"])
+    assert set(result["fits"]) == {"total", "forward", "backward"}
+    plan = read_plan(workspace / "dp2.plan")
+    assert len(result["plan_microbatches"]) == len(plan.microbatches) > 2
+    # The rows balance of an L1 plan is harts stats' balance (its consumers run every row).
+    assert result["plan_balance"]["rows"] == pytest.approx(plan_statistics(plan)["balance"], abs=1e-12)
+    assert 0 < result["plan_balance"]["seconds"] <= 1
+
+
+def test_calibrate_prints_the_flag_to_use(workspace, capsys):
+    assert harts(["calibrate", "--model", str(workspace / "model"), "--lengths", "8,32", "--rows", "64",
+                  "--repeat", "1", "--chunk-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "fit of forward + backward" in out and "use: hartsc --pairs-per-token " in out
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--lengths", "64"], "--lengths '64': not two or more positive integers"),
+    (["--lengths", "8,x"], "not two or more positive integers"),
+    (["--rows", "0"], "must be positive"),
+    (["--lengths", "64,128", "--rows", "32"], "fewer than three probes"),
+])
+def test_bad_flags_are_one_line(workspace, capsys, flags, words):
+    assert harts(["calibrate", "--model", str(workspace / "model"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1
