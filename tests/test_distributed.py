@@ -26,10 +26,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(processes: int, argv: list[str]) -> subprocess.CompletedProcess:
+def torchrun(processes: int, argv: list[str], monitor_seconds: float = 0.1) -> subprocess.CompletedProcess:
+    """`monitor_seconds`: how often torchrun looks at its workers; once one has failed it stops the others."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(["torchrun", "--nproc-per-node", str(processes), "--master-addr", "127.0.0.1",
-                           "--master-port", str(free_port()), "--no-python", *argv],
+                           "--master-port", str(free_port()), "--monitor-interval", str(monitor_seconds),
+                           "--no-python", *argv],
                           capture_output=True, text=True, timeout=600, env=env)
 
 
@@ -110,8 +112,11 @@ def test_one_process_under_torchrun_refuses_a_two_replica_plan(tmp_path):
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
 def test_a_refusal_every_rank_meets_reads_as_one_line_and_its_copies(tmp_path):
     """Every rank says why it stopped (one may fail alone); rank 0's line is plain, the other ranks' carry
-    their rank, so a refusal they all meet reads as one line and its labelled copies."""
-    out = torchrun(2, ["harts", "run", str(tmp_path / "missing.plan"), "--model", str(tmp_path / "model")])
+    their rank, so a refusal they all meet reads as one line and its labelled copies. torchrun stops the other
+    workers at its first look after one fails; looking every 5 s lets a rank that started late on a loaded
+    machine reach its own refusal first (a full run here once saw one line: the likely cause)."""
+    out = torchrun(2, ["harts", "run", str(tmp_path / "missing.plan"), "--model", str(tmp_path / "model")],
+                   monitor_seconds=5)
     assert out.returncode != 0
     lines = [line for line in out.stderr.splitlines() if line.startswith("harts run: ")]
     assert len(lines) == 2, out.stderr
