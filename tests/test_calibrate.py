@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from scipy.optimize import nnls
 
 from harts.api import compile_trajectories
@@ -15,7 +16,9 @@ from harts.cli import main as harts
 from harts.compiler.cli import main as hartsc
 from harts.schema.plan import read_plan
 from harts.schema.summary import computed_terms, plan_statistics
-from harts.tools.calibrate import fit_nonnegative, pairs_per_token, probe_shapes, probe_tokens
+from harts.schema.errors import HartsError
+from harts.tools.calibrate import (Timing, fit_nonnegative, fits_of, memory_errors_reported, pairs_per_token,
+                                   probe_shapes, probe_tokens, report, summarize)
 
 from run_workspace import make_run_workspace
 
@@ -87,27 +90,78 @@ def test_calibrate_times_probes_and_the_plan(workspace, capsys):
         (8, 36, 64), (64, 288, 512), (32, 528, 1024), (64, 1056, 2048)]
     assert all(p["total"] > 0 and p["forward"] > 0 for p in result["probes"])
     assert set(result["fits"]) == {"total", "forward", "backward"}
+    assert all(p["fitted"] > 0 and p["backward"] >= 0 for p in result["probes"])
     plan = read_plan(workspace / "dp2.plan")
-    assert len(result["plan_microbatches"]) == len(plan.microbatches) > 2
-    # The rows balance of an L1 plan is harts stats' balance (its consumers run every row).
-    assert result["plan_balance"]["rows"] == pytest.approx(plan_statistics(plan)["balance"], abs=1e-12)
-    assert 0 < result["plan_balance"]["seconds"] <= 1
+    assert len(result["plan"]["microbatches"]) == len(plan.microbatches) > 2
+    # The rows balance of an L1 plan is harts stats' balance (its consumers run every row), and its cost model
+    # at the plan's P is stats' cost_balance.
+    stats = plan_statistics(plan)
+    assert result["plan"]["balance"]["rows"] == pytest.approx(stats["balance"], abs=1e-12)
+    assert result["plan"]["balance"]["cost model, plan's P"] == pytest.approx(stats["cost_balance"], abs=1e-12)
+    assert 0 < result["plan"]["balance"]["seconds"] <= 1
 
 
 def test_calibrate_prints_the_flag_to_use(workspace, capsys):
     assert harts(["calibrate", "--model", str(workspace / "model"), "--lengths", "8,32", "--rows", "64",
                   "--repeat", "1", "--chunk-size", "2"]) == 0
     out = capsys.readouterr().out
-    assert "fit of forward + backward" in out and "use: hartsc --pairs-per-token " in out
+    # Probes this short may leave attention unmeasurable: then the line says there is nothing to recommend.
+    assert "fit of forward + backward" in out
+    assert sum(line.startswith(("use: hartsc --pairs-per-token ", "use: no --pairs-per-token to recommend"))
+               for line in out.splitlines()) == 1
 
 
 @pytest.mark.parametrize("flags, words", [
     (["--lengths", "64"], "--lengths '64': not two or more positive integers"),
     (["--lengths", "8,x"], "not two or more positive integers"),
-    (["--rows", "0"], "must be positive"),
-    (["--lengths", "64,128", "--rows", "32"], "fewer than three probes"),
+    (["--rows", "0"], "--rows 0: must be positive"),
+    (["--repeat", "0"], "--repeat 0: must be positive"),
+    (["--lengths", "64,128", "--rows", "32"], "fewer than 4 probes"),
+    (["--lengths", "1024,2048", "--rows", "2048"], "three probes always fit exactly"),
+    (["--lengths", "16,256"], "16 is shorter than the chunk size 64"),
+    (["--lengths", "2,4", "--rows", "1024", "--chunk-size", "2"], "512 trajectories, more than the model's "
+                                                                 "vocabulary of 64 tokens"),
+    (["--plan", "dp2.plan", "--chunk-size", "4"], "compiled with chunk size 2"),
 ])
-def test_bad_flags_are_one_line(workspace, capsys, flags, words):
+def test_bad_flags_are_one_line(workspace, capsys, monkeypatch, flags, words):
+    monkeypatch.chdir(workspace)
     assert harts(["calibrate", "--model", str(workspace / "model"), *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("error", [MemoryError(), RuntimeError("DefaultCPUAllocator: can't allocate memory"),
+                                   torch.OutOfMemoryError("CUDA out of memory")])
+def test_running_out_of_memory_is_one_line(error):
+    with pytest.raises(HartsError, match=r"ran out of memory \(\w+\); fix: lower the longest --lengths or --rows"):
+        with memory_errors_reported():
+            raise error
+
+
+def test_other_runtime_errors_are_not_taken_for_memory():
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        with memory_errors_reported():
+            raise RuntimeError("shape mismatch")
+
+
+def timings_from(seconds_of, shapes=((256, 1), (256, 64), (1024, 1), (1024, 16), (4096, 4))):
+    return [Timing(f"{c} x {L}", c * L, c * L * (L + 1) // 2, c * L * L, 0.4 * seconds_of(c, L),
+                   seconds_of(c, L)) for L, c in shapes]
+
+
+def test_no_recommendation_when_attention_is_not_measurable():
+    """Time in rows alone fits the pair term to 0: say so and recommend nothing, rather than "use 0"."""
+    timings = timings_from(lambda c, L: 0.01 + 1e-5 * c * L)
+    result = summarize(timings, fits_of(timings))
+    assert result["pairs_per_token"] is None and result["recommended_pairs_per_token"] is None
+    assert any("not measurable with probes up to 4,096 tokens" in w for w in result["warnings"])
+    assert "use: no --pairs-per-token to recommend" in report(result)
+
+
+def test_a_poor_fit_is_flagged():
+    timings = timings_from(lambda c, L: 0.01 + 1e-5 * c * L + (0.5 if c > 1 else 0.0))
+    result = summarize(timings, fits_of(timings))
+    assert any("the fit misses a probe by" in w for w in result["warnings"])
+    exact = timings_from(lambda c, L: 0.01 + 1e-5 * c * L + 1e-9 * (c * L * (L + 1) // 2 + 2 * c * L * L))
+    exact_result = summarize(exact, fits_of(exact))
+    assert exact_result["warnings"] == [] and exact_result["recommended_pairs_per_token"] == round(1e-5 / 3e-9)

@@ -11,16 +11,21 @@ forward and backward of probe steps on the model itself and fits
     seconds = t0 + x n + y (A + 2 R),   so P = x / (3 y),
 
 by non-negative least squares on relative errors. Probes are independent
-random trajectories (no shared prefixes), one microbatch each: for every
-length L, one trajectory of L tokens and `--rows` // L of them, so rows and
-pairs vary independently. Forward and backward are also fitted apart
-(backward = a training step's time less a forward-only step's), which shows
-whether the model's "backward costs twice forward" holds.
+random trajectories (distinct first tokens, so no shared prefix), one
+microbatch each: for every length L, one trajectory of L tokens and `--rows`
+// L of them, so rows and pairs vary independently. At least four probes
+(three unknowns), none shorter than the chunk size (a shorter one times
+chunk padding, which the cost model leaves out). Each is timed after one
+untimed run. Forward and backward are also fitted apart (backward = a
+training step's time less a forward-only step's), which shows whether the
+model's "backward costs twice forward" holds. The fit is flagged when it
+misses a probe by over 20% or when repeats scatter.
 
 `--plan PLAN` then times each of the plan's microbatches alone (complete
 layouts, windows off) and compares them with the fit, and reports the
 plan's balance (eta_sched over its replica x slot grid) measured in seconds
-against what rows, the plan's own cost model and the fitted one predict.
+against what rows, the cost model at the plan's and at the fitted P, and
+the fit's seconds predict.
 
 Invariant: the probes' n, A and R are read from their compiled plans
 (`harts.schema.summary.computed_terms`), never assumed from their shapes.
@@ -28,6 +33,7 @@ Invariant: the probes' n, A and R are read from their compiled plans
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -37,13 +43,19 @@ from itertools import combinations
 
 import numpy as np
 
+from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN, row_cost_weights
 from harts.schema.errors import HartsError
+from harts.schema.summary import balance, computed_terms
 
 DEFAULT_LENGTHS = (256, 1024, 4096, 16384)
 DEFAULT_ROWS = 16384
 # Repeats of one probe whose median deviation exceeds this fraction of their median make the fit unreliable
 # (one slow repeat among several does not count: it is what a median is for).
 NOISY_SPREAD = 0.1
+# A fit that misses some probe by more than this is flagged.
+POOR_FIT = 0.2
+# Three unknowns: a fourth probe is the least that can test the fit.
+MIN_PROBES = 4
 
 
 @dataclass(frozen=True)
@@ -100,8 +112,9 @@ def fit_nonnegative(rows, pair_term, seconds) -> Fit:
 
 
 def pairs_per_token(fit: Fit, rows_weight: int) -> float | None:
-    """P such that rows cost `rows_weight` x P pair units (3 forward + backward, 1 forward, 1 backward with
-    the backward's own pair weight folded in); None when the pair term was not measurable (fitted 0)."""
+    """The P that makes the fit proportional to the cost model: a row weighs `rows_weight` x P of the fitted
+    pair term. That is 3 for forward + backward against A + 2R (3P n + A + 2R), 1 for forward against A
+    (P n + A) and for backward against R (2P n + 2R). None when the pair term was not measurable (fitted 0)."""
     return fit.per_row / (rows_weight * fit.per_pair) if fit.per_pair > 0 else None
 
 
@@ -136,7 +149,8 @@ def _synchronized_seconds(device, work) -> float:
 def time_step(plan, model, device, repeat: int, microbatches=None,
               windows: bool = True) -> tuple[float, float, float]:
     """Median seconds of a forward-only step and of a forward + backward step (the objective is `nll`),
-    and the spread of the latter's repeats."""
+    and the spread of the latter's repeats; after one untimed training step (a new shape's first run
+    allocates, and on a GPU may compile kernels)."""
     from harts.executor.runtime import run_step
 
     def forward():
@@ -145,6 +159,7 @@ def time_step(plan, model, device, repeat: int, microbatches=None,
     def training():
         run_step(plan, model, backward=True, microbatches=microbatches, windows=windows)
 
+    _synchronized_seconds(device, training)
     forward_seconds = [_synchronized_seconds(device, forward) for _ in range(repeat)]
     total_seconds = [_synchronized_seconds(device, training) for _ in range(repeat)]
     median = statistics.median(total_seconds)
@@ -152,15 +167,10 @@ def time_step(plan, model, device, repeat: int, microbatches=None,
     return statistics.median(forward_seconds), median, deviation / median
 
 
-def entity_terms(mb: dict) -> tuple[int, int, int]:
-    from harts.schema.summary import computed_terms
-    return computed_terms(mb)
-
-
 def run_probes(model, device, *, lengths, rows: int, chunk_size: int, repeat: int, progress) -> list[Timing]:
     from harts.api import compile_trajectories
     vocab = int(model.config.vocab_size)
-    timings, warmed = [], False
+    timings = []
     for index, (length, count) in enumerate(probe_shapes(lengths, rows)):
         plan = compile_trajectories(probe_tokens(length, count, vocab, seed=index), levels="l1", dp=1,
                                     capacity=max(length * count, chunk_size), chunk_size=chunk_size,
@@ -168,11 +178,8 @@ def run_probes(model, device, *, lengths, rows: int, chunk_size: int, repeat: in
         if len(plan.microbatches) != 1:   # the capacity holds every row: L1 never splits such a step
             raise HartsError(f"probe {length} x {count} compiled into {len(plan.microbatches)} microbatches; "
                              "fix: report this (a probe should be one microbatch)")
-        if not warmed:   # allocator and thread-pool warm-up, not timed
-            time_step(plan, model, device, 1)
-            warmed = True
         forward, total, spread = time_step(plan, model, device, repeat)
-        timing = Timing(f"{count} x {length}", *entity_terms(plan.microbatches[0]), forward, total, spread)
+        timing = Timing(f"{count} x {length}", *computed_terms(plan.microbatches[0]), forward, total, spread)
         timings.append(timing)
         progress(f"probe {timing.name}: forward {forward:.4f} s, forward + backward {total:.4f} s")
     return timings
@@ -190,68 +197,121 @@ def fits_of(timings: list[Timing]) -> dict[str, Fit]:
 def time_plan(plan, model, device, repeat: int, progress) -> list[tuple[dict, Timing]]:
     """Each microbatch of `plan` alone, on its complete layout (windows off)."""
     results = []
-    time_step(plan, model, device, 1, microbatches=[0], windows=False)   # warm-up
     for index, mb in enumerate(plan.microbatches):
         forward, total, spread = time_step(plan, model, device, repeat, microbatches=[index], windows=False)
-        results.append((mb, Timing(f"microbatch {index}", *entity_terms(mb), forward, total, spread)))
+        results.append((mb, Timing(f"microbatch {index}", *computed_terms(mb), forward, total, spread)))
         progress(f"microbatch {index}: forward + backward {total:.4f} s")
     return results
 
 
 def plan_balances(plan, timed: list[tuple[dict, Timing]], fit: Fit) -> dict[str, float]:
-    """eta_sched of the plan's (replica, slot) grid, windows off, in each unit."""
-    from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN, row_cost_weights
-    from harts.schema.summary import balance
+    """eta_sched of the plan's (replica, slot) grid, windows off, in each unit: measured seconds, rows, the
+    cost model at the plan's P and at the fitted P, and the fit's seconds (t0 in every microbatch)."""
     dp = int(plan.flags["dp"])
     slots = 1 + max(int(mb["slot"]) for mb, _ in timed)
-    weights = row_cost_weights(int(plan.flags.get("pairs_per_token", DEFAULT_PAIRS_PER_TOKEN)))
-    grids = {name: np.zeros((dp, slots)) for name in ("seconds", "rows", "plan cost model", "fitted cost model")}
+    plan_weights = row_cost_weights(plan_pairs_per_token(plan))
+    fitted = pairs_per_token(fit, 3)
+    fitted_weights = row_cost_weights(0 if fitted is None else max(1, round(fitted)))
+    names = ("seconds", "rows", "cost model, plan's P", "cost model, fitted P", "fitted seconds")
+    grids = {name: np.zeros((dp, slots)) for name in names}
     for mb, t in timed:
         cell = (int(mb["replica"]), int(mb["slot"]))
         grids["seconds"][cell] += t.total
         grids["rows"][cell] += t.rows
-        grids["plan cost model"][cell] += weights.cost(t.rows, t.pairs, t.rectangle)
-        grids["fitted cost model"][cell] += float(fit.predict(t.rows, t.pairs + 2 * t.rectangle))
+        grids["cost model, plan's P"][cell] += plan_weights.cost(t.rows, t.pairs, t.rectangle)
+        grids["cost model, fitted P"][cell] += fitted_weights.cost(t.rows, t.pairs, t.rectangle)
+        grids["fitted seconds"][cell] += float(fit.predict(t.rows, t.pairs + 2 * t.rectangle))
     return {name: balance(grid) for name, grid in grids.items()}
 
 
-def _format_ppt(value: float | None) -> str:
-    return "not measurable (attention too cheap to time)" if value is None else f"{value:,.0f}"
+def plan_pairs_per_token(plan) -> int:
+    return int(plan.flags.get("pairs_per_token", DEFAULT_PAIRS_PER_TOKEN))
 
 
-def report(timings: list[Timing], fits: dict[str, Fit], plan_rows=None, balances=None) -> str:
-    total = fits["total"]
-    lines = [f"{'probe':>14} {'rows n':>9} {'pairs A':>15} {'rect R':>15} {'fwd s':>8} {'bwd s':>8} "
-             f"{'fwd+bwd s':>9} {'fitted':>8} {'error':>7}"]
-    for t in timings:
-        predicted = float(total.predict(t.rows, t.pairs + 2 * t.rectangle))
-        lines.append(f"{t.name:>14} {t.rows:>9,} {t.pairs:>15,} {t.rectangle:>15,} {t.forward:>8.4f} "
-                     f"{t.backward:>8.4f} {t.total:>9.4f} {predicted:>8.4f} {(predicted - t.total) / t.total:>+7.1%}")
-    lines += ["", "fit of forward + backward: seconds = t0 + x n + y (A + 2R)",
-              f"  t0 {total.intercept * 1e3:.3f} ms per step, x {total.per_row * 1e6:.4f} us per row, "
-              f"y {total.per_pair * 1e9:.5f} ns per pair unit; largest error {total.worst_relative_error:.1%}",
-              f"  pairs per token P = x / 3y: {_format_ppt(pairs_per_token(total, 3))}"]
-    forward, backward = fits["forward"], fits["backward"]
-    lines.append(f"  forward alone (A): P = {_format_ppt(pairs_per_token(forward, 1))}, largest error "
-                 f"{forward.worst_relative_error:.1%}; backward alone (R): P = "
-                 f"{_format_ppt(pairs_per_token(backward, 1))}, largest error {backward.worst_relative_error:.1%}")
-    ratios = [f"{name} {b / f:.2f}x" for name, b, f in (("rows", backward.per_row, forward.per_row),
-                                                       ("pairs", backward.per_pair, forward.per_pair)) if f > 0]
-    if ratios:
-        lines.append(f"  backward / forward per unit: {', '.join(ratios)} (the cost model assumes 2x)")
+def _timing_row(t: Timing, fit: Fit) -> dict:
+    predicted = float(fit.predict(t.rows, t.pairs + 2 * t.rectangle))
+    return dict(asdict(t), backward=t.backward, fitted=predicted, error=(predicted - t.total) / t.total)
+
+
+def summarize(timings: list[Timing], fits: dict[str, Fit], plan=None, plan_rows=None) -> dict:
+    """Everything the table shows, as one JSON-ready dict (`--json` prints it)."""
+    total, forward, backward = fits["total"], fits["forward"], fits["backward"]
+    ppt = pairs_per_token(total, 3)
+    warnings = []
     spread = max(t.spread for t in timings)
     if spread > NOISY_SPREAD:
-        lines.append(f"  warning: a probe's repeats deviate by {spread:.0%} of their median: the machine is busy "
-                     "or its clock varies, and the fit is unreliable; rerun on a quiet machine")
-    ppt = pairs_per_token(total, 3)
-    lines.append(f"use: hartsc --pairs-per-token {0 if ppt is None else max(1, round(ppt))}")
-    if plan_rows:
-        errors = np.array([(float(total.predict(t.rows, t.pairs + 2 * t.rectangle)) - t.total) / t.total
-                           for _, t in plan_rows])
-        lines += ["", f"plan: {len(plan_rows)} microbatches alone on their complete layouts; the fit's error "
-                      f"median {np.median(np.abs(errors)):.1%}, largest {np.max(np.abs(errors)):.1%}"]
-        lines.append("  balance (eta_sched, windows off): " + ", ".join(
-            f"{name} {value:.2%}" for name, value in balances.items()))
+        warnings.append(f"a probe's repeats deviate by {spread:.0%} of their median: the machine is busy or its "
+                        "clock varies, and the fit is unreliable; rerun on a quiet machine")
+    if total.worst_relative_error > POOR_FIT:
+        warnings.append(f"the fit misses a probe by {total.worst_relative_error:.0%}: the model's time is not "
+                        "rows plus attention pairs here (fixed costs of small probes, or noise); prefer probes "
+                        "as long and as full as your microbatches")
+    if ppt is None:
+        warnings.append(f"attention's cost was not measurable with probes up to {max_length(timings):,} tokens; "
+                        "rerun with --lengths up to your longest trajectories")
+    result = {
+        "probes": [_timing_row(t, total) for t in timings],
+        "fits": {name: dict(asdict(fit), pairs_per_token=pairs_per_token(fit, 3 if name == "total" else 1))
+                 for name, fit in fits.items()},
+        "backward_over_forward": {name: (b / f if f > 0 and b > 0 else None) for name, b, f in (
+            ("rows", backward.per_row, forward.per_row), ("pairs", backward.per_pair, forward.per_pair))},
+        "pairs_per_token": ppt,
+        "recommended_pairs_per_token": None if ppt is None else max(1, round(ppt)),
+        "warnings": warnings,
+        "plan": None,
+    }
+    if plan_rows is not None:
+        rows = [_timing_row(t, total) for _, t in plan_rows]
+        errors = np.abs([row["error"] for row in rows])
+        result["plan"] = {"pairs_per_token": plan_pairs_per_token(plan), "microbatches": rows,
+                          "fit_error_median": float(np.median(errors)), "fit_error_largest": float(errors.max()),
+                          "balance": plan_balances(plan, plan_rows, total)}
+    return result
+
+
+def max_length(timings: list[Timing]) -> int:
+    """The longest probe trajectory: a probe of one trajectory has n = its length, and R = c L^2 = n L."""
+    return max(t.rectangle // t.rows for t in timings)
+
+
+def _format_ppt(value: float | None) -> str:
+    return "not measurable" if value is None else f"{value:,.0f}"
+
+
+def report(result: dict) -> str:
+    """The table `harts calibrate` prints, from `summarize`'s dict."""
+    lines = [f"{'probe':>14} {'rows n':>9} {'pairs A':>15} {'rect R':>15} {'fwd s':>8} {'bwd s':>8} "
+             f"{'fwd+bwd s':>9} {'fitted':>8} {'error':>7}"]
+    for row in result["probes"]:
+        lines.append(f"{row['name']:>14} {row['rows']:>9,} {row['pairs']:>15,} {row['rectangle']:>15,} "
+                     f"{row['forward']:>8.4f} {row['backward']:>8.4f} {row['total']:>9.4f} {row['fitted']:>8.4f} "
+                     f"{row['error']:>+7.1%}")
+    fits = result["fits"]
+    total = fits["total"]
+    lines += ["", "fit of forward + backward: seconds = t0 + x n + y (A + 2R)",
+              f"  t0 {total['intercept'] * 1e3:.3f} ms per call (a one-microbatch step), x "
+              f"{total['per_row'] * 1e6:.4f} us per row, y {total['per_pair'] * 1e9:.5f} ns per pair unit; "
+              f"largest error {total['worst_relative_error']:.1%}",
+              f"  pairs per token P = x / 3y: {_format_ppt(result['pairs_per_token'])}",
+              f"  forward alone (A): P = {_format_ppt(fits['forward']['pairs_per_token'])}, largest error "
+              f"{fits['forward']['worst_relative_error']:.1%}; backward alone (R): P = "
+              f"{_format_ppt(fits['backward']['pairs_per_token'])}, largest error "
+              f"{fits['backward']['worst_relative_error']:.1%} (backward = a training step less a no-grad "
+              "forward, so it includes recording the graph)"]
+    ratios = [f"{name} {value:.2f}x" for name, value in result["backward_over_forward"].items() if value is not None]
+    if ratios:
+        lines.append(f"  backward / forward per unit: {', '.join(ratios)} (the cost model assumes 2x)")
+    lines += [f"  warning: {warning}" for warning in result["warnings"]]
+    recommended = result["recommended_pairs_per_token"]
+    lines.append("use: no --pairs-per-token to recommend (see the warning)" if recommended is None
+                 else f"use: hartsc --pairs-per-token {recommended}")
+    plan = result["plan"]
+    if plan is not None:
+        lines += ["", f"plan: {len(plan['microbatches'])} microbatches, each alone on its complete layout (windows "
+                      f"off: producers are not timed, so for a two-level plan these differ from harts stats); the "
+                      f"fit's error median {plan['fit_error_median']:.1%}, largest {plan['fit_error_largest']:.1%}",
+                  f"  balance (eta_sched; the plan's P is {plan['pairs_per_token']:,}): " + ", ".join(
+                      f"{name} {value:.2%}" for name, value in plan["balance"].items())]
     return "\n".join(lines)
 
 
@@ -262,12 +322,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the model runs (default auto: cuda when available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model dtype (default float32)")
     p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)),
-                   help=f"comma-separated probe trajectory lengths (default {','.join(map(str, DEFAULT_LENGTHS))})")
+                   help=f"comma-separated probe trajectory lengths, each at least the chunk size (default "
+                        f"{','.join(map(str, DEFAULT_LENGTHS))}; go up to your longest trajectories)")
     p.add_argument("--rows", type=int, default=DEFAULT_ROWS,
                    help=f"rows of the many-trajectory probe of each length (default {DEFAULT_ROWS}; use your "
                         "microbatch capacity on a GPU)")
-    p.add_argument("--chunk-size", type=int, default=64, help="linear-attention chunk size B (default 64)")
-    p.add_argument("--repeat", type=int, default=3, help="timed runs per probe, the median is used (default 3)")
+    p.add_argument("--chunk-size", type=int,
+                   help="linear-attention chunk size B (default: the plan's with --plan, else 64)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="timed runs per probe after one untimed, the median is used (default 3)")
     p.add_argument("--plan", help="also time this plan's microbatches and compare its balance in seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p
@@ -283,6 +346,30 @@ def parse_lengths(text: str) -> list[int]:
     return lengths
 
 
+def check_arguments(args, lengths: list[int], chunk_size: int) -> None:
+    """One HartsError with a fix for flags whose probes could not measure the cost model."""
+    for flag, value in (("--rows", args.rows), ("--repeat", args.repeat), ("--chunk-size", chunk_size)):
+        if value < 1:
+            raise HartsError(f"{flag} {value}: must be positive; fix: give a positive integer")
+    if min(lengths) < chunk_size:
+        raise HartsError(f"--lengths: {min(lengths)} is shorter than the chunk size {chunk_size}, so that probe "
+                         "would time chunk padding, which the cost model leaves out; fix: give lengths of at "
+                         f"least {chunk_size}")
+    if len(probe_shapes(lengths, args.rows)) < MIN_PROBES:
+        raise HartsError(f"--lengths {args.lengths} with --rows {args.rows} give fewer than {MIN_PROBES} probes "
+                         "(the fit has three unknowns, so three probes always fit exactly and test nothing); "
+                         "fix: give more lengths, or --rows above the shortest length")
+
+
+def check_probes_differ(lengths: list[int], rows: int, vocab: int) -> None:
+    """Probes share no prefix only while their trajectories' first tokens differ."""
+    count = max(count for _, count in probe_shapes(lengths, rows))
+    if count > vocab:
+        raise HartsError(f"--rows {rows} makes a probe of {count} trajectories, more than the model's vocabulary of "
+                         f"{vocab} tokens, so some would share a first token and a prefix; fix: raise the shortest "
+                         f"--lengths to at least {-(-rows // vocab)}, or lower --rows")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -294,18 +381,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def calibrate(args) -> int:
     lengths = parse_lengths(args.lengths)
-    if args.rows < 1 or args.repeat < 1 or args.chunk_size < 1:
-        raise HartsError("--rows, --repeat and --chunk-size must be positive; fix: give positive integers")
-    if len(probe_shapes(lengths, args.rows)) < 3:
-        raise HartsError(f"--lengths {args.lengths} with --rows {args.rows} give fewer than three probes; "
-                         "fix: give more lengths, or --rows above the shortest length")
-    from harts.executor.cli import load_model, model_device
-    device = model_device(args.device)
     plan = None
     if args.plan:
         from harts.api import read_plan
         plan = read_plan(args.plan)
+    plan_chunk = None if plan is None else int(plan.flags["chunk_size"])
+    chunk_size = args.chunk_size or plan_chunk or 64
+    if plan_chunk is not None and chunk_size != plan_chunk:
+        raise HartsError(f"--chunk-size {chunk_size}, but {args.plan} was compiled with chunk size {plan_chunk}; "
+                         "fix: drop --chunk-size (the plan's is used) or compile the plan with it")
+    check_arguments(args, lengths, chunk_size)
+    from harts.executor.cli import load_model, model_device
+    device = model_device(args.device)
     model = load_model(args.model, args.dtype).to(device)
+    check_probes_differ(lengths, args.rows, int(model.config.vocab_size))
     if plan is not None:
         from harts.executor.runtime import check_model_fits
         check_model_fits(plan, model)
@@ -313,23 +402,27 @@ def calibrate(args) -> int:
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    timings = run_probes(model, device, lengths=lengths, rows=args.rows, chunk_size=args.chunk_size,
-                         repeat=args.repeat, progress=progress)
-    fits = fits_of(timings)
-    plan_rows = balances = None
-    if plan is not None:
-        plan_rows = time_plan(plan, model, device, args.repeat, progress)
-        balances = plan_balances(plan, plan_rows, fits["total"])
-    if args.json:
-        ppt = pairs_per_token(fits["total"], 3)
-        print(json.dumps({"probes": [asdict(t) for t in timings],
-                          "fits": {name: asdict(fit) for name, fit in fits.items()},
-                          "pairs_per_token": ppt,
-                          "plan_microbatches": None if plan_rows is None else [asdict(t) for _, t in plan_rows],
-                          "plan_balance": balances}))
-    else:
-        print(report(timings, fits, plan_rows, balances))
+    with memory_errors_reported():
+        timings = run_probes(model, device, lengths=lengths, rows=args.rows, chunk_size=chunk_size,
+                             repeat=args.repeat, progress=progress)
+        plan_rows = None if plan is None else time_plan(plan, model, device, args.repeat, progress)
+    result = summarize(timings, fits_of(timings), plan, plan_rows)
+    print(json.dumps(result) if args.json else report(result))
     return 0
+
+
+@contextlib.contextmanager
+def memory_errors_reported():
+    """An allocation that fails (host or device) is one line with a fix, not a traceback."""
+    import torch
+    try:
+        yield
+    except (MemoryError, RuntimeError) as err:   # torch.OutOfMemoryError is a RuntimeError
+        if isinstance(err, RuntimeError) and not isinstance(err, torch.OutOfMemoryError) and not any(
+                words in str(err) for words in ("can't allocate memory", "out of memory")):
+            raise
+        raise HartsError(f"a probe ran out of memory ({type(err).__name__}); fix: lower the longest --lengths or "
+                         "--rows") from None
 
 
 if __name__ == "__main__":
