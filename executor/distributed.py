@@ -85,7 +85,7 @@ def all_reduce_result(result, model) -> None:
     Every collective runs on the device of the model's parameters (nccl reduces
     only CUDA tensors). Counts of work are summed, `most_live_producers` and
     `seconds` (the step ends with its slowest rank) are maxima;
-    `microbatch_seconds` stays this rank's.
+    `microbatch_seconds`, `unit_microbatches` and `producer_seconds` stay this rank's.
     """
     device = next(model.parameters()).device
     for p in model.parameters():

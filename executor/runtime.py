@@ -44,7 +44,11 @@ class StepResult:
     moe_z_loss: float                  # likewise
     seconds: float
     rows: int                          # decoder rows run (over all microbatches and window producers)
-    microbatch_seconds: list = field(default_factory=list)   # host time; on a GPU, until its kernels are queued
+    # Per unit in run order: its forward + backward, not counting producer work it set off (`producer_seconds`);
+    # host time (on a GPU, until its kernels are queued) unless run_step's `device_timing`.
+    microbatch_seconds: list = field(default_factory=list)
+    unit_microbatches: list = field(default_factory=list)    # the plan microbatch index of each of those units
+    producer_seconds: dict = field(default_factory=dict)     # (window, replica) -> its producer's forward + backward
     producers_run: int = 0             # window producers executed (L1+L2 plans with windows on)
     producer_backward_passes: int = 0  # autograd traversals of producer graphs (one per producer)
     most_live_producers: int = 0       # producer graphs held at once (memory)
@@ -209,7 +213,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
              backward: bool = True, microbatches: list[int] | None = None,
              pack_expanded: bool = True, recompute: bool = False, progress=None,
              windows: bool = True, logprobs: str = "all", accumulate: bool = False,
-             entropy: bool = False) -> StepResult:
+             entropy: bool = False, device_timing: bool = False) -> StepResult:
     """Forward (and backward) of the step's microbatches, in plan order (slot, replica; with
     windows, window by window and replica by replica).
 
@@ -238,6 +242,10 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     those the objective weighs (loss_mask 1, position >= 1; the rest stay NaN
     in `StepResult.logprobs`), so the LM head skips the rows of prompts and
     tool outputs. Loss, gradients and MoE statistics are the same either way.
+
+    `device_timing` waits for the device at every clock read, so `microbatch_seconds` and `producer_seconds`
+    are the device's time per unit and per producer (`harts calibrate --plan`); it costs the overlap of host
+    and device, so leave it off in training.
     """
     check_call(plan, model, backward, loss)
     microbatches = microbatch_indices(plan, microbatches)
@@ -270,23 +278,35 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
         # One process running several replicas: finish a (window, replica) before the next, so only
         # one producer graph is alive at a time (slot order within a replica is kept; a rank of a
         # data-parallel run holds one replica anyway). Gradients are sums: the order does not matter.
-        work.sort(key=lambda item: (int(item[0]["window"]), int(item[0]["replica"])))
-    schedule = WindowSchedule(plan.producers if use_windows else None, [mb for mb, _ in work], backward)
+        work.sort(key=lambda item: (int(item[1]["window"]), int(item[1]["replica"])))
+    clock = _device_clock(step.device) if device_timing else time.perf_counter
+    schedule = WindowSchedule(plan.producers if use_windows else None, [mb for _, mb, _ in work], backward, clock)
     finished: list[_MicrobatchResult] = []
     times = []
     # `closing`: a step that stops early (an exception, an interrupt) releases its live producers, and
     # autograd lets go of a failed backward's graph; the round layouts cached for this step's
     # linear-attention calls go when it ends, whichever way.
     with contextlib.closing(schedule), _step_scoped_round_layouts(), _failed_backward_released(step.device):
-        for i, (mb, group) in enumerate(progress(work, f"{mode} microbatches") if progress else work):
-            t0 = time.perf_counter()
+        for i, (_, mb, group) in enumerate(progress(work, f"{mode} microbatches") if progress else work):
+            t0, producers_before = clock(), schedule.seconds
             layout = build_layout(mb, step.offsets, chunk_size, mode, members=group, windows=use_windows)
             layout = layout.to(step.device)
             finished.append(_run_microbatch(step, runner, layout, schedule.source(i, runner, layout), backward))
             schedule.finished(i)
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0 - (schedule.seconds - producers_before))
     return _step_result(plan, model, step, finished, backward, started=started, microbatch_seconds=times,
-                        schedule=schedule)
+                        unit_microbatches=[index for index, _, _ in work], schedule=schedule)
+
+
+def _device_clock(device: torch.device):
+    """time.perf_counter after the device has finished what was queued (only CUDA queues work)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return clock
 
 
 @dataclass(frozen=True)
@@ -319,18 +339,18 @@ def _step_inputs(plan: Plan, model, runner, mode: str, loss: LossConfig, pack_ex
 
 
 def _work_units(plan: Plan, offsets: np.ndarray, mode: str, pack_expanded: bool,
-                microbatches: list[int] | None) -> list[tuple[dict, object]]:
-    """(plan microbatch, member group or None) per forward unit, in plan order; expanded and packed: one
-    unit per group of at most the capacity in original tokens."""
+                microbatches: list[int] | None) -> list[tuple[int, dict, object]]:
+    """(plan microbatch index, the microbatch, member group or None) per forward unit, in plan order;
+    expanded and packed: one unit per group of at most the capacity in original tokens."""
     selected = range(len(plan.microbatches)) if microbatches is None else microbatches
     capacity = int(plan.flags["capacity"])
     work = []
     for index in selected:
         mb = plan.microbatches[index]
         if mode == "expanded" and pack_expanded:
-            work += [(mb, group) for group in expanded_groups(mb, offsets, capacity)]
+            work += [(index, mb, group) for group in expanded_groups(mb, offsets, capacity)]
         else:
-            work.append((mb, None))
+            work.append((index, mb, None))
     return work
 
 
@@ -383,7 +403,8 @@ def _run_microbatch(step: _StepInputs, runner, layout, window, backward: bool) -
 
 
 def _step_result(plan: Plan, model, step: _StepInputs, finished: list[_MicrobatchResult], backward: bool, *,
-                 started: float, microbatch_seconds: list, schedule: WindowSchedule) -> StepResult:
+                 started: float, microbatch_seconds: list, unit_microbatches: list,
+                 schedule: WindowSchedule) -> StepResult:
     """Read every unit's outputs back (the device is idle by now: no stall) and sum them in unit order, as a
     sequential loop would. `seconds` runs from `started` to the end of this read-back."""
     offsets = step.offsets
@@ -406,7 +427,8 @@ def _step_result(plan: Plan, model, step: _StepInputs, finished: list[_Microbatc
     return StepResult(logprobs=logprobs, loss=total_loss, objective=objective_total,
                       grads=grads, moe_load=loads, moe_aux_loss=aux_total,
                       moe_z_loss=z_total, seconds=time.perf_counter() - started, rows=sum(unit.rows for unit in finished) + schedule.rows,
-                      microbatch_seconds=microbatch_seconds, producers_run=schedule.producers_run,
+                      microbatch_seconds=microbatch_seconds, unit_microbatches=unit_microbatches,
+                      producer_seconds=dict(schedule.producer_seconds), producers_run=schedule.producers_run,
                       producer_backward_passes=schedule.backward_passes, most_live_producers=schedule.most_live,
                       # No trained position: no entropy to report (0.0 would read as a collapsed policy).
                       entropy=entropy_total if step.with_entropy and step.counts[0] else None)

@@ -31,6 +31,8 @@ Legend: P producer rows, C consumer rows, U consumer decoder rows, Cc cached row
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -198,15 +200,20 @@ class ConsumerView(RowSource):
 
 class WindowSchedule:
     """The producers of one run of microbatches: each runs before its first reader, and its one
-    backward (then its release) follows its last reader in this run's order."""
+    backward (then its release) follows its last reader in this run's order.
 
-    def __init__(self, producers: list | None, microbatches: list[dict], backward: bool) -> None:
+    `clock` (seconds) times each producer's forward and backward into `producer_seconds`, by (window,
+    replica); the step passes a synchronising clock when asked for device times."""
+
+    def __init__(self, producers: list | None, microbatches: list[dict], backward: bool, clock=time.perf_counter) -> None:
         self.producer_of_cell = {(int(p["window"]), int(p["replica"])): p for p in producers or []}
         # Only consumers with cached rows read a producer; the rest run their complete layouts.
         self.cell_of = [(int(mb["window"]), int(mb["replica"])) if producers and has_cached_rows(mb) else None
                         for mb in microbatches]
         self.last_reader = {cell: i for i, cell in enumerate(self.cell_of) if cell is not None}
         self.backward = backward
+        self.clock = clock
+        self.producer_seconds: dict[tuple[int, int], float] = {}
         self.live: dict = {}
         self.rows = self.producers_run = self.backward_passes = self.most_live = 0
 
@@ -218,10 +225,12 @@ class WindowSchedule:
         record = self.live.get(cell)
         if record is None:
             # Producer forward: the decoder over its rows, no LM head, no statistics.
+            started = self.clock()
             record = self.live[cell] = ProducerRecord()
             producer = producer_layout(self.producer_of_cell[cell]).to(layout.row_token.device)
             with torch.set_grad_enabled(self.backward):
                 runner.hidden_states(producer, None, record)
+            self._count(cell, started)
             self.rows += producer.num_rows
             self.producers_run += 1
             self.most_live = max(self.most_live, len(self.live))
@@ -235,10 +244,20 @@ class WindowSchedule:
         record = self.live.pop(cell)
         try:
             if self.backward:
+                started = self.clock()
                 record.backward()
+                self._count(cell, started)
                 self.backward_passes += record.backward_passes
         finally:   # a producer backward that fails (out of memory) must not keep the window's graph
             record.release()
+
+    def _count(self, cell: tuple[int, int], started: float) -> None:
+        self.producer_seconds[cell] = self.producer_seconds.get(cell, 0.0) + self.clock() - started
+
+    @property
+    def seconds(self) -> float:
+        """Producer time so far (forward and backward, every cell)."""
+        return sum(self.producer_seconds.values())
 
     def close(self) -> None:
         """Release every producer still live: a run that stops early (an exception, an interrupt)

@@ -77,25 +77,33 @@ def workspace(tmp_path_factory):
     trees = [{"id": i, "tokens": [1, 2, 3, 4, 5, 6] + rng.integers(7, 64, int(rng.integers(2, 9))).tolist()}
              for i in range(10)]
     folder = make_run_workspace(tmp_path_factory.mktemp("calibrate"), trees)
-    assert hartsc([str(folder / "trees.jsonl"), "-o", str(folder / "dp2.plan"), "--chunk-size", "2",
-                   "--dp", "2", "--capacity", "24", "--levels", "l1", "--vocab-size", "64"]) == 0
+    for levels in ("l1", "l1+l2"):
+        assert hartsc([str(folder / "trees.jsonl"), "-o", str(folder / f"dp2-{levels}.plan"), "--chunk-size", "2",
+                       "--dp", "2", "--capacity", "24", "--levels", levels, "--vocab-size", "64"]) == 0
     return folder
 
 
-def test_calibrate_times_probes_and_the_plan(workspace, capsys):
+@pytest.mark.parametrize("levels", ["l1", "l1+l2"])
+def test_calibrate_times_probes_and_the_plan(workspace, capsys, levels):
     assert harts(["calibrate", "--model", str(workspace / "model"), "--lengths", "8,32", "--rows", "64",
-                  "--repeat", "1", "--chunk-size", "2", "--plan", str(workspace / "dp2.plan"), "--json"]) == 0
+                  "--repeat", "1", "--chunk-size", "2", "--plan", str(workspace / f"dp2-{levels}.plan"),
+                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert [(p["rows"], p["pairs"], p["rectangle"]) for p in result["probes"]] == [
         (8, 36, 64), (64, 288, 512), (32, 528, 1024), (64, 1056, 2048)]
     assert all(p["total"] > 0 and p["forward"] > 0 for p in result["probes"])
     assert set(result["fits"]) == {"total", "forward", "backward"}
     assert all(p["fitted"] > 0 and p["backward"] >= 0 for p in result["probes"])
-    plan = read_plan(workspace / "dp2.plan")
-    assert len(result["plan"]["microbatches"]) == len(plan.microbatches) > 2
-    # The rows balance of an L1 plan is harts stats' balance (its consumers run every row), and its cost model
-    # at the plan's P is stats' cost_balance.
+    plan = read_plan(workspace / f"dp2-{levels}.plan")
     stats = plan_statistics(plan)
+    kinds = [c["kind"] for c in result["plan"]["computations"]]
+    assert kinds.count("consumer") == len(plan.microbatches) > 2
+    assert kinds.count("producer") == len(plan.producers or ()) == (stats["producers"] if levels == "l1+l2" else 0)
+    if levels == "l1+l2":
+        assert stats["producers"] > 0 and stats["decoder_tokens"] < stats["compact_tokens"]
+    assert all(c["seconds"] > 0 for c in result["plan"]["computations"])
+    # In rows and in the plan's cost model, the balance of the step as run is harts stats' (consumers' decoder
+    # rows and window producers).
     assert result["plan"]["balance"]["rows"] == pytest.approx(stats["balance"], abs=1e-12)
     assert result["plan"]["balance"]["cost model, plan's P"] == pytest.approx(stats["cost_balance"], abs=1e-12)
     assert 0 < result["plan"]["balance"]["seconds"] <= 1
@@ -111,6 +119,21 @@ def test_calibrate_prints_the_flag_to_use(workspace, capsys):
                for line in out.splitlines()) == 1
 
 
+def test_device_timing_splits_the_step_into_consumers_and_producers(workspace):
+    """Every unit is timed once, producers apart, and together they fit inside the step's own time."""
+    from harts.executor.cli import load_model
+    from harts.executor.runtime import run_step
+    plan, model = read_plan(workspace / "dp2-l1+l2.plan"), load_model(str(workspace / "model"))
+    result = run_step(plan, model, device_timing=True)
+    assert sorted(result.unit_microbatches) == list(range(len(plan.microbatches)))
+    assert set(result.producer_seconds) == {(int(p["window"]), int(p["replica"])) for p in plan.producers}
+    times = [*result.microbatch_seconds, *result.producer_seconds.values()]
+    assert all(t > 0 for t in times) and sum(times) <= result.seconds
+    plain = run_step(plan, model)
+    assert set(plain.producer_seconds) == set(result.producer_seconds)   # host clock: timed all the same
+    assert run_step(plan, model, windows=False).producer_seconds == {}
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--lengths", "64"], "--lengths '64': not two or more positive integers"),
     (["--lengths", "8,x"], "not two or more positive integers"),
@@ -121,7 +144,7 @@ def test_calibrate_prints_the_flag_to_use(workspace, capsys):
     (["--lengths", "16,256"], "16 is shorter than the chunk size 64"),
     (["--lengths", "2,4", "--rows", "1024", "--chunk-size", "2"], "512 trajectories, more than the model's "
                                                                  "vocabulary of 64 tokens"),
-    (["--plan", "dp2.plan", "--chunk-size", "4"], "compiled with chunk size 2"),
+    (["--plan", "dp2-l1.plan", "--chunk-size", "4"], "compiled with chunk size 2"),
 ])
 def test_bad_flags_are_one_line(workspace, capsys, monkeypatch, flags, words):
     monkeypatch.chdir(workspace)

@@ -21,11 +21,13 @@ training step's time less a forward-only step's), which shows whether the
 model's "backward costs twice forward" holds. The fit is flagged when it
 misses a probe by over 20% or when repeats scatter.
 
-`--plan PLAN` then times each of the plan's microbatches alone (complete
-layouts, windows off) and compares them with the fit, and reports the
-plan's balance (eta_sched over its replica x slot grid) measured in seconds
-against what rows, the cost model at the plan's and at the fitted P, and
-the fit's seconds predict.
+`--plan PLAN` then runs the plan's step as `harts run` does (windows on),
+timing every consumer (its decoder rows and LM head) and every window
+producer on the device (`run_step(device_timing=True)`), compares them with
+the fit, and reports the plan's balance (eta_sched: consumer slots and
+window producers) measured in seconds against what rows (`harts stats`'
+`balance`), the cost model at the plan's P (its `cost_balance`) and at the
+fitted P, and the fit's seconds predict.
 
 Invariant: the probes' n, A and R are read from their compiled plans
 (`harts.schema.summary.computed_terms`), never assumed from their shapes.
@@ -194,34 +196,65 @@ def fits_of(timings: list[Timing]) -> dict[str, Fit]:
                                         [max(t.backward, 1e-9) for t in timings])}
 
 
-def time_plan(plan, model, device, repeat: int, progress) -> list[tuple[dict, Timing]]:
-    """Each microbatch of `plan` alone, on its complete layout (windows off)."""
-    results = []
-    for index, mb in enumerate(plan.microbatches):
-        forward, total, spread = time_step(plan, model, device, repeat, microbatches=[index], windows=False)
-        results.append((mb, Timing(f"microbatch {index}", *computed_terms(mb), forward, total, spread)))
-        progress(f"microbatch {index}: forward + backward {total:.4f} s")
-    return results
+@dataclass(frozen=True)
+class Computation:
+    """One consumer's residual rows or one window producer of a plan, timed as `harts run` runs the step."""
+    kind: str               # "consumer" or "producer"
+    replica: int
+    index: int              # the consumer's slot, or the producer's window
+    rows: int
+    pairs: int
+    rectangle: int
+    seconds: float          # median over the timed steps
 
 
-def plan_balances(plan, timed: list[tuple[dict, Timing]], fit: Fit) -> dict[str, float]:
-    """eta_sched of the plan's (replica, slot) grid, windows off, in each unit: measured seconds, rows, the
-    cost model at the plan's P and at the fitted P, and the fit's seconds (t0 in every microbatch)."""
+def time_plan(plan, model, repeat: int, progress) -> list[Computation]:
+    """The plan's step as `harts run` runs it (windows on), `repeat` times after one untimed run, each
+    consumer and producer timed on the device (`run_step(device_timing=True)`); medians."""
+    from harts.executor.runtime import run_step
+    run_step(plan, model)
+    consumer_runs: dict[int, list[float]] = {}
+    producer_runs: dict[tuple[int, int], list[float]] = {}
+    for attempt in range(repeat):
+        result = run_step(plan, model, device_timing=True)
+        for index, seconds in zip(result.unit_microbatches, result.microbatch_seconds):
+            consumer_runs.setdefault(index, []).append(seconds)
+        for cell, seconds in result.producer_seconds.items():
+            producer_runs.setdefault(cell, []).append(seconds)
+        progress(f"plan step {attempt + 1} of {repeat}: {result.seconds:.3f} s")
+    computations = []
+    for index, runs in sorted(consumer_runs.items()):
+        mb = plan.microbatches[index]
+        computations.append(Computation("consumer", int(mb["replica"]), int(mb["slot"]),
+                                        *computed_terms(mb, mb.get("row_cached_by")), statistics.median(runs)))
+    producers = {(int(p["window"]), int(p["replica"])): p for p in plan.producers or ()}
+    for (window, replica), runs in sorted(producer_runs.items()):
+        computations.append(Computation("producer", replica, window, *computed_terms(producers[window, replica]),
+                                        statistics.median(runs)))
+    return computations
+
+
+def plan_balances(plan, computations: list[Computation], fit: Fit) -> dict[str, float]:
+    """eta_sched (consumer slots and window producers) of the plan as run, in each unit: measured seconds,
+    rows, the cost model at the plan's P and at the fitted P, and the fit's seconds (t0 in every one)."""
+    from harts.schema.summary import window_count
     dp = int(plan.flags["dp"])
-    slots = 1 + max(int(mb["slot"]) for mb, _ in timed)
+    slots = 1 + max(int(mb["slot"]) for mb in plan.microbatches)
     plan_weights = row_cost_weights(plan_pairs_per_token(plan))
     fitted = pairs_per_token(fit, 3)
     fitted_weights = row_cost_weights(0 if fitted is None else max(1, round(fitted)))
-    names = ("seconds", "rows", "cost model, plan's P", "cost model, fitted P", "fitted seconds")
-    grids = {name: np.zeros((dp, slots)) for name in names}
-    for mb, t in timed:
-        cell = (int(mb["replica"]), int(mb["slot"]))
-        grids["seconds"][cell] += t.total
-        grids["rows"][cell] += t.rows
-        grids["cost model, plan's P"][cell] += plan_weights.cost(t.rows, t.pairs, t.rectangle)
-        grids["cost model, fitted P"][cell] += fitted_weights.cost(t.rows, t.pairs, t.rectangle)
-        grids["fitted seconds"][cell] += float(fit.predict(t.rows, t.pairs + 2 * t.rectangle))
-    return {name: balance(grid) for name, grid in grids.items()}
+    units = {"seconds": lambda c: c.seconds,
+             "rows": lambda c: c.rows,
+             "cost model, plan's P": lambda c: plan_weights.cost(c.rows, c.pairs, c.rectangle),
+             "cost model, fitted P": lambda c: fitted_weights.cost(c.rows, c.pairs, c.rectangle),
+             "fitted seconds": lambda c: float(fit.predict(c.rows, c.pairs + 2 * c.rectangle))}
+    balances = {}
+    for name, value in units.items():
+        grids = {"consumer": np.zeros((dp, slots)), "producer": np.zeros((dp, window_count(plan)))}
+        for c in computations:
+            grids[c.kind][c.replica, c.index] += value(c)
+        balances[name] = balance(grids["consumer"], grids["producer"])
+    return balances
 
 
 def plan_pairs_per_token(plan) -> int:
@@ -233,7 +266,8 @@ def _timing_row(t: Timing, fit: Fit) -> dict:
     return dict(asdict(t), backward=t.backward, fitted=predicted, error=(predicted - t.total) / t.total)
 
 
-def summarize(timings: list[Timing], fits: dict[str, Fit], plan=None, plan_rows=None) -> dict:
+def summarize(timings: list[Timing], fits: dict[str, Fit], plan=None,
+              computations: list[Computation] | None = None) -> dict:
     """Everything the table shows, as one JSON-ready dict (`--json` prints it)."""
     total, forward, backward = fits["total"], fits["forward"], fits["backward"]
     ppt = pairs_per_token(total, 3)
@@ -260,12 +294,15 @@ def summarize(timings: list[Timing], fits: dict[str, Fit], plan=None, plan_rows=
         "warnings": warnings,
         "plan": None,
     }
-    if plan_rows is not None:
-        rows = [_timing_row(t, total) for _, t in plan_rows]
+    if computations is not None:
+        rows = []
+        for c in computations:
+            fitted = float(total.predict(c.rows, c.pairs + 2 * c.rectangle))
+            rows.append(dict(asdict(c), fitted=fitted, error=(fitted - c.seconds) / c.seconds))
         errors = np.abs([row["error"] for row in rows])
-        result["plan"] = {"pairs_per_token": plan_pairs_per_token(plan), "microbatches": rows,
+        result["plan"] = {"pairs_per_token": plan_pairs_per_token(plan), "computations": rows,
                           "fit_error_median": float(np.median(errors)), "fit_error_largest": float(errors.max()),
-                          "balance": plan_balances(plan, plan_rows, total)}
+                          "balance": plan_balances(plan, computations, total)}
     return result
 
 
@@ -307,9 +344,11 @@ def report(result: dict) -> str:
                  else f"use: hartsc --pairs-per-token {recommended}")
     plan = result["plan"]
     if plan is not None:
-        lines += ["", f"plan: {len(plan['microbatches'])} microbatches, each alone on its complete layout (windows "
-                      f"off: producers are not timed, so for a two-level plan these differ from harts stats); the "
-                      f"fit's error median {plan['fit_error_median']:.1%}, largest {plan['fit_error_largest']:.1%}",
+        kinds = [c["kind"] for c in plan["computations"]]
+        lines += ["", f"plan, run as harts run runs it: {kinds.count('consumer')} consumers (decoder rows and LM head) and "
+                      f"{kinds.count('producer')} window producers, each timed on the device; the fit's error "
+                      f"median {plan['fit_error_median']:.1%}, largest {plan['fit_error_largest']:.1%} (a consumer's "
+                      "time also holds its LM head over its complete layout, which the cost model leaves out)",
                   f"  balance (eta_sched; the plan's P is {plan['pairs_per_token']:,}): " + ", ".join(
                       f"{name} {value:.2%}" for name, value in plan["balance"].items())]
     return "\n".join(lines)
@@ -405,8 +444,8 @@ def calibrate(args) -> int:
     with memory_errors_reported():
         timings = run_probes(model, device, lengths=lengths, rows=args.rows, chunk_size=chunk_size,
                              repeat=args.repeat, progress=progress)
-        plan_rows = None if plan is None else time_plan(plan, model, device, args.repeat, progress)
-    result = summarize(timings, fits_of(timings), plan, plan_rows)
+        computations = None if plan is None else time_plan(plan, model, args.repeat, progress)
+    result = summarize(timings, fits_of(timings), plan, computations)
     print(json.dumps(result) if args.json else report(result))
     return 0
 
