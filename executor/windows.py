@@ -205,7 +205,8 @@ class WindowSchedule:
     `clock` (seconds) times each producer's forward and backward into `producer_seconds`, by (window,
     replica); the step passes a synchronising clock when asked for device times."""
 
-    def __init__(self, producers: list | None, microbatches: list[dict], backward: bool, clock=time.perf_counter) -> None:
+    def __init__(self, producers: list | None, microbatches: list[dict], backward: bool,
+                 clock=time.perf_counter) -> None:
         self.producer_of_cell = {(int(p["window"]), int(p["replica"])): p for p in producers or []}
         # Only consumers with cached rows read a producer; the rest run their complete layouts.
         self.cell_of = [(int(mb["window"]), int(mb["replica"])) if producers and has_cached_rows(mb) else None

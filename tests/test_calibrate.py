@@ -107,6 +107,9 @@ def test_calibrate_times_probes_and_the_plan(workspace, capsys, levels):
     assert result["plan"]["balance"]["rows"] == pytest.approx(stats["balance"], abs=1e-12)
     assert result["plan"]["balance"]["cost model, plan's P"] == pytest.approx(stats["cost_balance"], abs=1e-12)
     assert 0 < result["plan"]["balance"]["seconds"] <= 1
+    # eta_sched = work / (D x critical path), in seconds too.
+    assert result["plan"]["balance"]["seconds"] == pytest.approx(
+        result["plan"]["work_seconds"] / (2 * result["plan"]["critical_path_seconds"]), rel=1e-12)
 
 
 def test_calibrate_prints_the_flag_to_use(workspace, capsys):

@@ -234,12 +234,26 @@ def time_plan(plan, model, repeat: int, progress) -> list[Computation]:
     return computations
 
 
+def plan_grids(plan, computations: list[Computation], value) -> tuple[np.ndarray, np.ndarray]:
+    """(r[d, j], p[d, h]): `value` of each consumer at its (replica, slot) and producer at (replica, window)."""
+    from harts.schema.summary import window_count
+    slots = 1 + max(int(mb["slot"]) for mb in plan.microbatches)
+    grids = {"consumer": np.zeros((int(plan.flags["dp"]), slots)),
+             "producer": np.zeros((int(plan.flags["dp"]), window_count(plan)))}
+    for c in computations:
+        grids[c.kind][c.replica, c.index] += value(c)
+    return grids["consumer"], grids["producer"]
+
+
+def critical_path(consumers: np.ndarray, producers: np.ndarray) -> float:
+    """Sum of slot maxima and window-producer maxima: the step's time on D replicas that wait for each other
+    at every slot (the paper's Phi, here in whatever unit the grids hold)."""
+    return float(consumers.max(axis=0).sum() + (producers.max(axis=0).sum() if producers.size else 0.0))
+
+
 def plan_balances(plan, computations: list[Computation], fit: Fit) -> dict[str, float]:
     """eta_sched (consumer slots and window producers) of the plan as run, in each unit: measured seconds,
     rows, the cost model at the plan's P and at the fitted P, and the fit's seconds (t0 in every one)."""
-    from harts.schema.summary import window_count
-    dp = int(plan.flags["dp"])
-    slots = 1 + max(int(mb["slot"]) for mb in plan.microbatches)
     plan_weights = row_cost_weights(plan_pairs_per_token(plan))
     fitted = pairs_per_token(fit, 3)
     fitted_weights = row_cost_weights(0 if fitted is None else max(1, round(fitted)))
@@ -248,13 +262,7 @@ def plan_balances(plan, computations: list[Computation], fit: Fit) -> dict[str, 
              "cost model, plan's P": lambda c: plan_weights.cost(c.rows, c.pairs, c.rectangle),
              "cost model, fitted P": lambda c: fitted_weights.cost(c.rows, c.pairs, c.rectangle),
              "fitted seconds": lambda c: float(fit.predict(c.rows, c.pairs + 2 * c.rectangle))}
-    balances = {}
-    for name, value in units.items():
-        grids = {"consumer": np.zeros((dp, slots)), "producer": np.zeros((dp, window_count(plan)))}
-        for c in computations:
-            grids[c.kind][c.replica, c.index] += value(c)
-        balances[name] = balance(grids["consumer"], grids["producer"])
-    return balances
+    return {name: balance(*plan_grids(plan, computations, value)) for name, value in units.items()}
 
 
 def plan_pairs_per_token(plan) -> int:
@@ -300,7 +308,11 @@ def summarize(timings: list[Timing], fits: dict[str, Fit], plan=None,
             fitted = float(total.predict(c.rows, c.pairs + 2 * c.rectangle))
             rows.append(dict(asdict(c), fitted=fitted, error=(fitted - c.seconds) / c.seconds))
         errors = np.abs([row["error"] for row in rows])
-        result["plan"] = {"pairs_per_token": plan_pairs_per_token(plan), "computations": rows,
+        seconds = plan_grids(plan, computations, lambda c: c.seconds)
+        result["plan"] = {"dp": int(plan.flags["dp"]), "pairs_per_token": plan_pairs_per_token(plan),
+                          "computations": rows,
+                          "work_seconds": float(seconds[0].sum() + seconds[1].sum()),
+                          "critical_path_seconds": critical_path(*seconds),
                           "fit_error_median": float(np.median(errors)), "fit_error_largest": float(errors.max()),
                           "balance": plan_balances(plan, computations, total)}
     return result
@@ -345,10 +357,12 @@ def report(result: dict) -> str:
     plan = result["plan"]
     if plan is not None:
         kinds = [c["kind"] for c in plan["computations"]]
-        lines += ["", f"plan, run as harts run runs it: {kinds.count('consumer')} consumers (decoder rows and LM head) and "
-                      f"{kinds.count('producer')} window producers, each timed on the device; the fit's error "
+        lines += ["", f"plan, run as harts run runs it: {kinds.count('consumer')} consumers (decoder rows and LM "
+                      f"head) and {kinds.count('producer')} window producers, each timed on the device; the fit's error "
                       f"median {plan['fit_error_median']:.1%}, largest {plan['fit_error_largest']:.1%} (a consumer's "
                       "time also holds its LM head over its complete layout, which the cost model leaves out)",
+                  f"  work {plan['work_seconds']:.3f} s; on {plan['dp']} replicas that wait for each other at every "
+                  f"slot, {plan['critical_path_seconds']:.3f} s (the sum of slot and producer maxima)",
                   f"  balance (eta_sched; the plan's P is {plan['pairs_per_token']:,}): " + ", ".join(
                       f"{name} {value:.2%}" for name, value in plan["balance"].items())]
     return "\n".join(lines)
