@@ -17,8 +17,9 @@ from harts.compiler.cli import main as hartsc
 from harts.schema.plan import read_plan
 from harts.schema.summary import computed_terms, plan_statistics
 from harts.schema.errors import HartsError
-from harts.tools.calibrate import (Timing, fit_nonnegative, fits_of, memory_errors_reported, pairs_per_token,
-                                   probe_shapes, probe_tokens, report, summarize)
+from harts.tools.calibrate import (Timing, fits_of, memory_errors_reported, probe_shapes, probe_tokens, report,
+                                   summarize)
+from harts.tools.cost_fit import fit_nonnegative, pairs_per_token
 
 from run_workspace import make_run_workspace
 

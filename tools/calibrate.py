@@ -31,6 +31,10 @@ fitted P, and the fit's seconds predict.
 
 Invariant: the probes' n, A and R are read from their compiled plans
 (`harts.schema.summary.computed_terms`), never assumed from their shapes.
+
+The fit lives in `harts.tools.cost_fit`, the plan's timing and balances in
+`harts.tools.plan_timing`; this module builds and times the probes and is
+the command line.
 """
 from __future__ import annotations
 
@@ -41,13 +45,14 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from itertools import combinations
 
 import numpy as np
 
-from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN, row_cost_weights
 from harts.schema.errors import HartsError
-from harts.schema.summary import balance, computed_terms
+from harts.schema.summary import computed_terms
+from harts.tools.cost_fit import Fit, fit_nonnegative, pairs_per_token
+from harts.tools.plan_timing import (Computation, critical_path, plan_balances, plan_grids, plan_pairs_per_token,
+                                     time_plan)
 
 DEFAULT_LENGTHS = (256, 1024, 4096, 16384)
 DEFAULT_ROWS = 16384
@@ -74,50 +79,6 @@ class Timing:
     @property
     def backward(self) -> float:
         return max(self.total - self.forward, 0.0)
-
-
-@dataclass(frozen=True)
-class Fit:
-    """seconds = intercept + per_row x rows + per_pair x pair_term, fitted with non-negative coefficients."""
-    intercept: float
-    per_row: float
-    per_pair: float
-    worst_relative_error: float
-
-    def predict(self, rows, pair_term):
-        return self.intercept + self.per_row * np.asarray(rows, dtype=np.float64) + \
-            self.per_pair * np.asarray(pair_term, dtype=np.float64)
-
-
-def fit_nonnegative(rows, pair_term, seconds) -> Fit:
-    """Least squares of relative errors over the three coefficients, each >= 0: the best of every subset's
-    unconstrained solution that is non-negative (exact for three unknowns)."""
-    rows, pair_term, seconds = (np.asarray(v, dtype=np.float64) for v in (rows, pair_term, seconds))
-    if len(seconds) < 3 or np.any(seconds <= 0):
-        raise ValueError("a fit needs at least three timings, each positive")
-    columns = np.stack([np.ones_like(rows), rows, pair_term], axis=1) / seconds[:, None]
-    target = np.ones_like(seconds)   # each equation divided by its own time: relative errors
-    best, best_residual = np.zeros(3), float(target @ target)
-    for size in (1, 2, 3):
-        for subset in combinations(range(3), size):
-            solution, *_ = np.linalg.lstsq(columns[:, subset], target, rcond=None)
-            if np.any(solution < 0):
-                continue
-            residual = target - columns[:, subset] @ solution
-            if residual @ residual < best_residual:
-                best = np.zeros(3)
-                best[list(subset)] = solution
-                best_residual = float(residual @ residual)
-    predicted = best[0] + best[1] * rows + best[2] * pair_term
-    return Fit(float(best[0]), float(best[1]), float(best[2]),
-               float(np.max(np.abs(predicted - seconds) / seconds)))
-
-
-def pairs_per_token(fit: Fit, rows_weight: int) -> float | None:
-    """The P that makes the fit proportional to the cost model: a row weighs `rows_weight` x P of the fitted
-    pair term. That is 3 for forward + backward against A + 2R (3P n + A + 2R), 1 for forward against A
-    (P n + A) and for backward against R (2P n + 2R). None when the pair term was not measurable (fitted 0)."""
-    return fit.per_row / (rows_weight * fit.per_pair) if fit.per_pair > 0 else None
 
 
 def probe_tokens(length: int, count: int, vocab: int, seed: int) -> list[list[int]]:
@@ -194,79 +155,6 @@ def fits_of(timings: list[Timing]) -> dict[str, Fit]:
             "forward": fit_nonnegative(rows, [t.pairs for t in timings], [t.forward for t in timings]),
             "backward": fit_nonnegative(rows, [t.rectangle for t in timings],
                                         [max(t.backward, 1e-9) for t in timings])}
-
-
-@dataclass(frozen=True)
-class Computation:
-    """One consumer's residual rows or one window producer of a plan, timed as `harts run` runs the step."""
-    kind: str               # "consumer" or "producer"
-    replica: int
-    index: int              # the consumer's slot, or the producer's window
-    rows: int
-    pairs: int
-    rectangle: int
-    seconds: float          # median over the timed steps
-
-
-def time_plan(plan, model, repeat: int, progress) -> list[Computation]:
-    """The plan's step as `harts run` runs it (windows on), `repeat` times after one untimed run, each
-    consumer and producer timed on the device (`run_step(device_timing=True)`); medians."""
-    from harts.executor.runtime import run_step
-    run_step(plan, model)
-    consumer_runs: dict[int, list[float]] = {}
-    producer_runs: dict[tuple[int, int], list[float]] = {}
-    for attempt in range(repeat):
-        result = run_step(plan, model, device_timing=True)
-        for index, seconds in zip(result.unit_microbatches, result.microbatch_seconds):
-            consumer_runs.setdefault(index, []).append(seconds)
-        for cell, seconds in result.producer_seconds.items():
-            producer_runs.setdefault(cell, []).append(seconds)
-        progress(f"plan step {attempt + 1} of {repeat}: {result.seconds:.3f} s")
-    computations = []
-    for index, runs in sorted(consumer_runs.items()):
-        mb = plan.microbatches[index]
-        computations.append(Computation("consumer", int(mb["replica"]), int(mb["slot"]),
-                                        *computed_terms(mb, mb.get("row_cached_by")), statistics.median(runs)))
-    producers = {(int(p["window"]), int(p["replica"])): p for p in plan.producers or ()}
-    for (window, replica), runs in sorted(producer_runs.items()):
-        computations.append(Computation("producer", replica, window, *computed_terms(producers[window, replica]),
-                                        statistics.median(runs)))
-    return computations
-
-
-def plan_grids(plan, computations: list[Computation], value) -> tuple[np.ndarray, np.ndarray]:
-    """(r[d, j], p[d, h]): `value` of each consumer at its (replica, slot) and producer at (replica, window)."""
-    from harts.schema.summary import window_count
-    slots = 1 + max(int(mb["slot"]) for mb in plan.microbatches)
-    grids = {"consumer": np.zeros((int(plan.flags["dp"]), slots)),
-             "producer": np.zeros((int(plan.flags["dp"]), window_count(plan)))}
-    for c in computations:
-        grids[c.kind][c.replica, c.index] += value(c)
-    return grids["consumer"], grids["producer"]
-
-
-def critical_path(consumers: np.ndarray, producers: np.ndarray) -> float:
-    """Sum of slot maxima and window-producer maxima: the step's time on D replicas that wait for each other
-    at every slot (the paper's Phi, here in whatever unit the grids hold)."""
-    return float(consumers.max(axis=0).sum() + (producers.max(axis=0).sum() if producers.size else 0.0))
-
-
-def plan_balances(plan, computations: list[Computation], fit: Fit) -> dict[str, float]:
-    """eta_sched (consumer slots and window producers) of the plan as run, in each unit: measured seconds,
-    rows, the cost model at the plan's P and at the fitted P, and the fit's seconds (t0 in every one)."""
-    plan_weights = row_cost_weights(plan_pairs_per_token(plan))
-    fitted = pairs_per_token(fit, 3)
-    fitted_weights = row_cost_weights(0 if fitted is None else max(1, round(fitted)))
-    units = {"seconds": lambda c: c.seconds,
-             "rows": lambda c: c.rows,
-             "cost model, plan's P": lambda c: plan_weights.cost(c.rows, c.pairs, c.rectangle),
-             "cost model, fitted P": lambda c: fitted_weights.cost(c.rows, c.pairs, c.rectangle),
-             "fitted seconds": lambda c: float(fit.predict(c.rows, c.pairs + 2 * c.rectangle))}
-    return {name: balance(*plan_grids(plan, computations, value)) for name, value in units.items()}
-
-
-def plan_pairs_per_token(plan) -> int:
-    return int(plan.flags.get("pairs_per_token", DEFAULT_PAIRS_PER_TOKEN))
 
 
 def _timing_row(t: Timing, fit: Fit) -> dict:
