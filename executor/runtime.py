@@ -279,7 +279,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
         # one producer graph is alive at a time (slot order within a replica is kept; a rank of a
         # data-parallel run holds one replica anyway). Gradients are sums: the order does not matter.
         work.sort(key=lambda item: (int(item[1]["window"]), int(item[1]["replica"])))
-    clock = _device_clock(step.device) if device_timing else time.perf_counter
+    clock = device_clock(step.device) if device_timing else time.perf_counter
     schedule = WindowSchedule(plan.producers if use_windows else None, [mb for _, mb, _ in work], backward, clock)
     finished: list[_MicrobatchResult] = []
     times = []
@@ -298,7 +298,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
                         unit_microbatches=[index for index, _, _ in work], schedule=schedule)
 
 
-def _device_clock(device: torch.device):
+def device_clock(device: torch.device):
     """time.perf_counter after the device has finished what was queued (only CUDA queues work)."""
     if device.type != "cuda":
         return time.perf_counter

@@ -68,10 +68,25 @@ class RowSource:
 PASSTHROUGH = RowSource()
 
 
-class ProducerRecord(RowSource):
-    """A producer's forward: keeps every interface; hands consumers leaves; runs one backward."""
+class CellTimer:
+    """Adds the seconds since `started` to one (window, replica) cell's entry of a totals dict. It holds no
+    reference to the schedule, so a record that keeps one makes no reference cycle through it."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock, totals: dict, cell: tuple[int, int]) -> None:
+        self.clock, self.totals, self.cell = clock, totals, cell
+
+    def __call__(self, started: float) -> None:
+        self.totals[self.cell] = self.totals.get(self.cell, 0.0) + self.clock() - started
+
+
+class ProducerRecord(RowSource):
+    """A producer's forward: keeps every interface; hands consumers leaves; runs one backward.
+
+    `timer` (a `CellTimer`), when given, also counts the LM-head normalizers the record computes when a
+    consumer first reads its rows: producer work, though it runs inside that consumer's turn."""
+
+    def __init__(self, timer: CellTimer | None = None) -> None:
+        self.timer = timer
         self.tensors: dict = {}     # (key, layer) -> producer tensor [P, ...] (in the producer graph)
         self.states: dict = {}      # layer -> exported states
         self.leaves: dict = {}      # (key, layer) -> leaf shared by the window's consumers
@@ -124,6 +139,7 @@ class ProducerRecord(RowSource):
             self.normalizer_slot = np.full(final.shape[0], -1, dtype=np.int64)
         missing = rows[self.normalizer_slot[rows] < 0]
         if missing.size:
+            started = self.timer.clock() if self.timer else 0.0
             piece = self.normalizer_pieces
             (missing_rows,) = to_device([missing], final.device)
             lse, entropy = row_normalizers(final, weight, missing_rows, with_entropy=with_entropy)
@@ -133,6 +149,8 @@ class ProducerRecord(RowSource):
             self.normalizer_slot[missing] = self.normalizer_rows + np.arange(missing.size)
             self.normalizer_pieces += 1
             self.normalizer_rows += missing.size
+            if self.timer:
+                self.timer(started)
         (slots,) = to_device([self.normalizer_slot[rows]], final.device)
         pieces = range(self.normalizer_pieces)
         lse = torch.cat([self.leaf("lse", k) for k in pieces]).index_select(0, slots)
@@ -202,8 +220,9 @@ class WindowSchedule:
     """The producers of one run of microbatches: each runs before its first reader, and its one
     backward (then its release) follows its last reader in this run's order.
 
-    `clock` (seconds) times each producer's forward and backward into `producer_seconds`, by (window,
-    replica); the step passes a synchronising clock when asked for device times."""
+    `clock` (seconds) times each producer's forward, backward and LM-head normalizers into
+    `producer_seconds`, by (window, replica); the step passes a synchronising clock when asked for
+    device times."""
 
     def __init__(self, producers: list | None, microbatches: list[dict], backward: bool,
                  clock=time.perf_counter) -> None:
@@ -226,12 +245,13 @@ class WindowSchedule:
         record = self.live.get(cell)
         if record is None:
             # Producer forward: the decoder over its rows, no LM head, no statistics.
+            timer = CellTimer(self.clock, self.producer_seconds, cell)
             started = self.clock()
-            record = self.live[cell] = ProducerRecord()
+            record = self.live[cell] = ProducerRecord(timer)
             producer = producer_layout(self.producer_of_cell[cell]).to(layout.row_token.device)
             with torch.set_grad_enabled(self.backward):
                 runner.hidden_states(producer, None, record)
-            self._count(cell, started)
+            timer(started)
             self.rows += producer.num_rows
             self.producers_run += 1
             self.most_live = max(self.most_live, len(self.live))
@@ -247,13 +267,10 @@ class WindowSchedule:
             if self.backward:
                 started = self.clock()
                 record.backward()
-                self._count(cell, started)
+                CellTimer(self.clock, self.producer_seconds, cell)(started)
                 self.backward_passes += record.backward_passes
         finally:   # a producer backward that fails (out of memory) must not keep the window's graph
             record.release()
-
-    def _count(self, cell: tuple[int, int], started: float) -> None:
-        self.producer_seconds[cell] = self.producer_seconds.get(cell, 0.0) + self.clock() - started
 
     @property
     def seconds(self) -> float:

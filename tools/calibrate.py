@@ -43,7 +43,6 @@ import contextlib
 import json
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -51,8 +50,8 @@ import numpy as np
 from harts.schema.errors import HartsError
 from harts.schema.summary import computed_terms
 from harts.tools.cost_fit import Fit, fit_nonnegative, pairs_per_token
-from harts.tools.plan_timing import (Computation, critical_path, plan_balances, plan_grids, plan_pairs_per_token,
-                                     time_plan)
+from harts.tools.plan_timing import (BALANCE_LABELS, Computation, critical_path, plan_balances, plan_grids,
+                                     plan_pairs_per_token, time_plan)
 
 DEFAULT_LENGTHS = (256, 1024, 4096, 16384)
 DEFAULT_ROWS = 16384
@@ -98,33 +97,21 @@ def probe_shapes(lengths, rows: int) -> list[tuple[int, int]]:
     return shapes
 
 
-def _synchronized_seconds(device, work) -> float:
-    import torch
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    started = time.perf_counter()
-    work()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - started
-
-
-def time_step(plan, model, device, repeat: int, microbatches=None,
-              windows: bool = True) -> tuple[float, float, float]:
+def time_step(plan, model, device, repeat: int) -> tuple[float, float, float]:
     """Median seconds of a forward-only step and of a forward + backward step (the objective is `nll`),
     and the spread of the latter's repeats; after one untimed training step (a new shape's first run
     allocates, and on a GPU may compile kernels)."""
-    from harts.executor.runtime import run_step
+    from harts.executor.runtime import device_clock, run_step
+    clock = device_clock(device)
 
-    def forward():
-        run_step(plan, model, backward=False, microbatches=microbatches, windows=windows)
+    def seconds(backward: bool) -> float:
+        started = clock()
+        run_step(plan, model, backward=backward)
+        return clock() - started
 
-    def training():
-        run_step(plan, model, backward=True, microbatches=microbatches, windows=windows)
-
-    _synchronized_seconds(device, training)
-    forward_seconds = [_synchronized_seconds(device, forward) for _ in range(repeat)]
-    total_seconds = [_synchronized_seconds(device, training) for _ in range(repeat)]
+    seconds(True)
+    forward_seconds = [seconds(False) for _ in range(repeat)]
+    total_seconds = [seconds(True) for _ in range(repeat)]
     median = statistics.median(total_seconds)
     deviation = statistics.median(abs(t - median) for t in total_seconds)
     return statistics.median(forward_seconds), median, deviation / median
@@ -149,12 +136,16 @@ def run_probes(model, device, *, lengths, rows: int, chunk_size: int, repeat: in
 
 
 def fits_of(timings: list[Timing]) -> dict[str, Fit]:
-    """The cost model's three fits: forward + backward against A + 2R, forward against A, backward against R."""
+    """The cost model's fits: forward + backward against A + 2R, forward against A, and backward against R
+    over the probes whose backward (a difference of two noisy times) came out positive, when three did."""
     rows = [t.rows for t in timings]
-    return {"total": fit_nonnegative(rows, [t.pairs + 2 * t.rectangle for t in timings], [t.total for t in timings]),
-            "forward": fit_nonnegative(rows, [t.pairs for t in timings], [t.forward for t in timings]),
-            "backward": fit_nonnegative(rows, [t.rectangle for t in timings],
-                                        [max(t.backward, 1e-9) for t in timings])}
+    fits = {"total": fit_nonnegative(rows, [t.pairs + 2 * t.rectangle for t in timings], [t.total for t in timings]),
+            "forward": fit_nonnegative(rows, [t.pairs for t in timings], [t.forward for t in timings])}
+    positive = [t for t in timings if t.backward > 0]
+    if len(positive) >= 3:
+        fits["backward"] = fit_nonnegative([t.rows for t in positive], [t.rectangle for t in positive],
+                                           [t.backward for t in positive])
+    return fits
 
 
 def _timing_row(t: Timing, fit: Fit) -> dict:
@@ -165,7 +156,7 @@ def _timing_row(t: Timing, fit: Fit) -> dict:
 def summarize(timings: list[Timing], fits: dict[str, Fit], plan=None,
               computations: list[Computation] | None = None) -> dict:
     """Everything the table shows, as one JSON-ready dict (`--json` prints it)."""
-    total, forward, backward = fits["total"], fits["forward"], fits["backward"]
+    total, forward, backward = fits["total"], fits["forward"], fits.get("backward")
     ppt = pairs_per_token(total, 3)
     warnings = []
     spread = max(t.spread for t in timings)
@@ -183,8 +174,9 @@ def summarize(timings: list[Timing], fits: dict[str, Fit], plan=None,
         "probes": [_timing_row(t, total) for t in timings],
         "fits": {name: dict(asdict(fit), pairs_per_token=pairs_per_token(fit, 3 if name == "total" else 1))
                  for name, fit in fits.items()},
-        "backward_over_forward": {name: (b / f if f > 0 and b > 0 else None) for name, b, f in (
-            ("rows", backward.per_row, forward.per_row), ("pairs", backward.per_pair, forward.per_pair))},
+        "backward_over_forward": {} if backward is None else {
+            name: (b / f if f > 0 and b > 0 else None) for name, b, f in (
+                ("rows", backward.per_row, forward.per_row), ("pairs", backward.per_pair, forward.per_pair))},
         "pairs_per_token": ppt,
         "recommended_pairs_per_token": None if ppt is None else max(1, round(ppt)),
         "warnings": warnings,
@@ -231,10 +223,11 @@ def report(result: dict) -> str:
               f"largest error {total['worst_relative_error']:.1%}",
               f"  pairs per token P = x / 3y: {_format_ppt(result['pairs_per_token'])}",
               f"  forward alone (A): P = {_format_ppt(fits['forward']['pairs_per_token'])}, largest error "
-              f"{fits['forward']['worst_relative_error']:.1%}; backward alone (R): P = "
-              f"{_format_ppt(fits['backward']['pairs_per_token'])}, largest error "
-              f"{fits['backward']['worst_relative_error']:.1%} (backward = a training step less a no-grad "
-              "forward, so it includes recording the graph)"]
+              f"{fits['forward']['worst_relative_error']:.1%}; " + (
+                  "backward alone: fewer than three probes with a positive backward time" if "backward" not in fits
+                  else f"backward alone (R): P = {_format_ppt(fits['backward']['pairs_per_token'])}, largest error "
+                       f"{fits['backward']['worst_relative_error']:.1%}") +
+              " (backward = a training step less a no-grad forward, so it includes recording the graph)"]
     ratios = [f"{name} {value:.2f}x" for name, value in result["backward_over_forward"].items() if value is not None]
     if ratios:
         lines.append(f"  backward / forward per unit: {', '.join(ratios)} (the cost model assumes 2x)")
@@ -245,14 +238,14 @@ def report(result: dict) -> str:
     plan = result["plan"]
     if plan is not None:
         kinds = [c["kind"] for c in plan["computations"]]
-        lines += ["", f"plan, run as harts run runs it: {kinds.count('consumer')} consumers (decoder rows and LM "
-                      f"head) and {kinds.count('producer')} window producers, each timed on the device; the fit's error "
-                      f"median {plan['fit_error_median']:.1%}, largest {plan['fit_error_largest']:.1%} (a consumer's "
-                      "time also holds its LM head over its complete layout, which the cost model leaves out)",
+        lines += ["", f"plan, run as harts run runs it: {kinds.count('consumer')} consumers (their decoder rows and "
+                      f"LM head) and {kinds.count('producer')} window producers (with the LM-head normalizers of the "
+                      f"rows they cache), each timed on the device; the fit's error median "
+                      f"{plan['fit_error_median']:.1%}, largest {plan['fit_error_largest']:.1%}",
                   f"  work {plan['work_seconds']:.3f} s; on {plan['dp']} replicas that wait for each other at every "
                   f"slot, {plan['critical_path_seconds']:.3f} s (the sum of slot and producer maxima)",
                   f"  balance (eta_sched; the plan's P is {plan['pairs_per_token']:,}): " + ", ".join(
-                      f"{name} {value:.2%}" for name, value in plan["balance"].items())]
+                      f"{BALANCE_LABELS[name]} {value:.2%}" for name, value in plan["balance"].items())]
     return "\n".join(lines)
 
 

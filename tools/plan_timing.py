@@ -24,7 +24,7 @@ class Computation:
     """One consumer's residual rows or one window producer of a plan, timed as `harts run` runs the step."""
     kind: str               # "consumer" or "producer"
     replica: int
-    index: int              # the consumer's slot, or the producer's window
+    slot_or_window: int     # a consumer's slot, a producer's window
     rows: int
     pairs: int
     rectangle: int
@@ -64,7 +64,7 @@ def plan_grids(plan, computations: list[Computation], value) -> tuple[np.ndarray
     grids = {"consumer": np.zeros((int(plan.flags["dp"]), slots)),
              "producer": np.zeros((int(plan.flags["dp"]), window_count(plan)))}
     for c in computations:
-        grids[c.kind][c.replica, c.index] += value(c)
+        grids[c.kind][c.replica, c.slot_or_window] += value(c)
     return grids["consumer"], grids["producer"]
 
 
@@ -76,16 +76,23 @@ def critical_path(consumers: np.ndarray, producers: np.ndarray) -> float:
 
 def plan_balances(plan, computations: list[Computation], fit: Fit) -> dict[str, float]:
     """eta_sched (consumer slots and window producers) of the plan as run, in each unit: measured seconds,
-    rows, the cost model at the plan's P and at the fitted P, and the fit's seconds (t0 in every one)."""
+    rows, the cost model at the plan's P and (when the fit gave one) at the fitted P, and the fit's seconds
+    (t0 in every computation)."""
     plan_weights = row_cost_weights(plan_pairs_per_token(plan))
     fitted = pairs_per_token(fit, 3)
-    fitted_weights = row_cost_weights(0 if fitted is None else max(1, round(fitted)))
     units = {"seconds": lambda c: c.seconds,
              "rows": lambda c: c.rows,
-             "cost model, plan's P": lambda c: plan_weights.cost(c.rows, c.pairs, c.rectangle),
-             "cost model, fitted P": lambda c: fitted_weights.cost(c.rows, c.pairs, c.rectangle),
-             "fitted seconds": lambda c: float(fit.predict(c.rows, c.pairs + 2 * c.rectangle))}
+             "cost_plan_p": lambda c: plan_weights.cost(c.rows, c.pairs, c.rectangle),
+             "fitted_seconds": lambda c: float(fit.predict(c.rows, c.pairs + 2 * c.rectangle))}
+    if fitted is not None:   # no fitted P: no such cost model (P = 0 would be rows again)
+        fitted_weights = row_cost_weights(max(1, round(fitted)))
+        units["cost_fitted_p"] = lambda c: fitted_weights.cost(c.rows, c.pairs, c.rectangle)
     return {name: balance(*plan_grids(plan, computations, value)) for name, value in units.items()}
+
+
+# How the table names `plan_balances`' keys.
+BALANCE_LABELS = {"seconds": "seconds", "rows": "rows", "cost_plan_p": "cost model at the plan's P",
+                  "cost_fitted_p": "cost model at the fitted P", "fitted_seconds": "fitted seconds"}
 
 
 def plan_pairs_per_token(plan) -> int:
