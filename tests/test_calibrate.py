@@ -144,6 +144,7 @@ def test_device_timing_splits_the_step_into_consumers_and_producers(workspace):
     (["--lengths", "8,x"], "not two or more positive integers"),
     (["--rows", "0"], "--rows 0: must be positive"),
     (["--repeat", "0"], "--repeat 0: must be positive"),
+    (["--chunk-size", "0"], "--chunk-size 0: must be positive"),
     (["--lengths", "64,128", "--rows", "32"], "fewer than 4 probes"),
     (["--lengths", "1024,2048", "--rows", "2048"], "three probes always fit exactly"),
     (["--lengths", "16,256"], "16 is shorter than the chunk size 64"),

@@ -320,7 +320,7 @@ def calibrate(args) -> int:
         from harts.api import read_plan
         plan = read_plan(args.plan)
     plan_chunk = None if plan is None else int(plan.flags["chunk_size"])
-    chunk_size = args.chunk_size or plan_chunk or 64
+    chunk_size = args.chunk_size if args.chunk_size is not None else plan_chunk or 64
     if plan_chunk is not None and chunk_size != plan_chunk:
         raise HartsError(f"--chunk-size {chunk_size}, but {args.plan} was compiled with chunk size {plan_chunk}; "
                          "fix: drop --chunk-size (the plan's is used) or compile the plan with it")
