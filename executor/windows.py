@@ -267,7 +267,7 @@ class WindowSchedule:
             if self.backward:
                 started = self.clock()
                 record.backward()
-                CellTimer(self.clock, self.producer_seconds, cell)(started)
+                record.timer(started)
                 self.backward_passes += record.backward_passes
         finally:   # a producer backward that fails (out of memory) must not keep the window's graph
             record.release()

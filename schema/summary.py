@@ -34,14 +34,14 @@ def decoder_rows(mb: dict) -> int:
     return len(mb["row_token"]) if cached_by is None else int(np.count_nonzero(np.asarray(cached_by) < 0))
 
 
-def _slot_grid(plan: Plan) -> tuple[int, int]:
+def slot_grid(plan: Plan) -> tuple[int, int]:
     """(D, J): the shape of a per-(replica, slot) array."""
     return int(plan.flags["dp"]), 1 + max((int(mb["slot"]) for mb in plan.microbatches), default=-1)
 
 
 def slot_work(plan: Plan) -> np.ndarray:
     """r[d, j]: decoder rows of each consumer, zero where a replica has no microbatch at a slot."""
-    work = np.zeros(_slot_grid(plan), dtype=np.int64)
+    work = np.zeros(slot_grid(plan), dtype=np.int64)
     for mb in plan.microbatches:
         work[int(mb["replica"]), int(mb["slot"])] += decoder_rows(mb)
     return work
@@ -97,7 +97,7 @@ def cost_work(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     """`slot_work` and `producer_work` in L2's cost model, with the plan's `pairs_per_token` (default the
     paper's models for plans that do not record it)."""
     weights = row_cost_weights(int(plan.flags.get("pairs_per_token", DEFAULT_PAIRS_PER_TOKEN)))
-    work = np.zeros(_slot_grid(plan), dtype=np.int64)
+    work = np.zeros(slot_grid(plan), dtype=np.int64)
     for mb in plan.microbatches:
         work[int(mb["replica"]), int(mb["slot"])] += computed_cost(mb, weights, mb.get("row_cached_by"))
     producers = np.zeros((int(plan.flags["dp"]), window_count(plan)), dtype=np.int64)
@@ -111,11 +111,17 @@ def work_grids(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
     return slot_work(plan), producer_work(plan), *cost_work(plan)
 
 
+def critical_path(work: np.ndarray, producers: np.ndarray | None = None):
+    """Sum of slot maxima and window-producer maxima (the paper's Phi in the grids' unit): a step's time on
+    replicas that wait for each other at every slot and window producer."""
+    return ((work.max(axis=0).sum() if work.size else 0)
+            + (producers.max(axis=0).sum() if producers is not None and producers.size else 0))
+
+
 def balance(work: np.ndarray, producers: np.ndarray | None = None) -> float:
-    """The paper's eta_sched: all work over D * (sum of slot maxima + sum of window-producer maxima)."""
+    """The paper's eta_sched: all work over D * `critical_path`."""
     producers = np.zeros((work.shape[0], 0), dtype=np.int64) if producers is None else producers
-    peak = (work.max(axis=0).sum() if work.size else 0) + (producers.max(axis=0).sum() if producers.size else 0)
-    denominator = work.shape[0] * peak
+    denominator = work.shape[0] * critical_path(work, producers)
     return float((work.sum() + producers.sum()) / denominator) if denominator else 1.0
 
 

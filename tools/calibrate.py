@@ -48,10 +48,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from harts.schema.errors import HartsError
-from harts.schema.summary import computed_terms
-from harts.tools.cost_fit import Fit, fit_nonnegative, pairs_per_token
-from harts.tools.plan_timing import (BALANCE_LABELS, Computation, critical_path, plan_balances, plan_grids,
-                                     plan_pairs_per_token, time_plan)
+from harts.schema.summary import computed_terms, critical_path
+from harts.tools.cost_fit import Fit, fit_nonnegative, pairs_per_token, training_pair_units
+from harts.tools.plan_timing import (BALANCE_LABELS, Computation, plan_balances, plan_grids, plan_pairs_per_token,
+                                     time_plan)
 
 DEFAULT_LENGTHS = (256, 1024, 4096, 16384)
 DEFAULT_ROWS = 16384
@@ -139,7 +139,8 @@ def fits_of(timings: list[Timing]) -> dict[str, Fit]:
     """The cost model's fits: forward + backward against A + 2R, forward against A, and backward against R
     over the probes whose backward (a difference of two noisy times) came out positive, when three did."""
     rows = [t.rows for t in timings]
-    fits = {"total": fit_nonnegative(rows, [t.pairs + 2 * t.rectangle for t in timings], [t.total for t in timings]),
+    fits = {"total": fit_nonnegative(rows, [training_pair_units(t.pairs, t.rectangle) for t in timings],
+                                     [t.total for t in timings]),
             "forward": fit_nonnegative(rows, [t.pairs for t in timings], [t.forward for t in timings])}
     positive = [t for t in timings if t.backward > 0]
     if len(positive) >= 3:
@@ -149,7 +150,7 @@ def fits_of(timings: list[Timing]) -> dict[str, Fit]:
 
 
 def _timing_row(t: Timing, fit: Fit) -> dict:
-    predicted = float(fit.predict(t.rows, t.pairs + 2 * t.rectangle))
+    predicted = float(fit.predict(t.rows, training_pair_units(t.pairs, t.rectangle)))
     return dict(asdict(t), backward=t.backward, fitted=predicted, error=(predicted - t.total) / t.total)
 
 
@@ -185,14 +186,14 @@ def summarize(timings: list[Timing], fits: dict[str, Fit], plan=None,
     if computations is not None:
         rows = []
         for c in computations:
-            fitted = float(total.predict(c.rows, c.pairs + 2 * c.rectangle))
+            fitted = float(total.predict(c.rows, training_pair_units(c.pairs, c.rectangle)))
             rows.append(dict(asdict(c), fitted=fitted, error=(fitted - c.seconds) / c.seconds))
         errors = np.abs([row["error"] for row in rows])
         seconds = plan_grids(plan, computations, lambda c: c.seconds)
         result["plan"] = {"dp": int(plan.flags["dp"]), "pairs_per_token": plan_pairs_per_token(plan),
                           "computations": rows,
                           "work_seconds": float(seconds[0].sum() + seconds[1].sum()),
-                          "critical_path_seconds": critical_path(*seconds),
+                          "critical_path_seconds": float(critical_path(*seconds)),
                           "fit_error_median": float(np.median(errors)), "fit_error_largest": float(errors.max()),
                           "balance": plan_balances(plan, computations, total)}
     return result

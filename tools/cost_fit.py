@@ -50,6 +50,12 @@ def fit_nonnegative(rows, pair_term, seconds) -> Fit:
                float(np.max(np.abs(predicted - seconds) / seconds)))
 
 
+def training_pair_units(pairs, rectangle):
+    """A + 2R: the cost model's pair term of a forward + backward (beta_F = 1, beta_B = 2), the quantity
+    the forward + backward fit is against."""
+    return pairs + 2 * rectangle
+
+
 def pairs_per_token(fit: Fit, rows_weight: int) -> float | None:
     """The P that makes the fit proportional to the cost model: a row weighs `rows_weight` x P of the fitted
     pair term. That is 3 for forward + backward against A + 2R (3P n + A + 2R), 1 for forward against A

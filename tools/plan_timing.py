@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN, row_cost_weights
-from harts.schema.summary import balance, computed_terms
-from harts.tools.cost_fit import Fit, pairs_per_token
+from harts.schema.summary import balance, computed_terms, slot_grid, window_count
+from harts.tools.cost_fit import Fit, pairs_per_token, training_pair_units
 
 
 @dataclass(frozen=True)
@@ -59,19 +59,10 @@ def time_plan(plan, model, repeat: int, progress) -> list[Computation]:
 
 def plan_grids(plan, computations: list[Computation], value) -> tuple[np.ndarray, np.ndarray]:
     """(r[d, j], p[d, h]): `value` of each consumer at its (replica, slot) and producer at (replica, window)."""
-    from harts.schema.summary import window_count
-    slots = 1 + max(int(mb["slot"]) for mb in plan.microbatches)
-    grids = {"consumer": np.zeros((int(plan.flags["dp"]), slots)),
-             "producer": np.zeros((int(plan.flags["dp"]), window_count(plan)))}
+    grids = {"consumer": np.zeros(slot_grid(plan)), "producer": np.zeros((int(plan.flags["dp"]), window_count(plan)))}
     for c in computations:
         grids[c.kind][c.replica, c.slot_or_window] += value(c)
     return grids["consumer"], grids["producer"]
-
-
-def critical_path(consumers: np.ndarray, producers: np.ndarray) -> float:
-    """Sum of slot maxima and window-producer maxima: the step's time on D replicas that wait for each other
-    at every slot (the paper's Phi, here in whatever unit the grids hold)."""
-    return float(consumers.max(axis=0).sum() + (producers.max(axis=0).sum() if producers.size else 0.0))
 
 
 def plan_balances(plan, computations: list[Computation], fit: Fit) -> dict[str, float]:
@@ -83,7 +74,7 @@ def plan_balances(plan, computations: list[Computation], fit: Fit) -> dict[str, 
     units = {"seconds": lambda c: c.seconds,
              "rows": lambda c: c.rows,
              "cost_plan_p": lambda c: plan_weights.cost(c.rows, c.pairs, c.rectangle),
-             "fitted_seconds": lambda c: float(fit.predict(c.rows, c.pairs + 2 * c.rectangle))}
+             "fitted_seconds": lambda c: float(fit.predict(c.rows, training_pair_units(c.pairs, c.rectangle)))}
     if fitted is not None:   # no fitted P: no such cost model (P = 0 would be rows again)
         fitted_weights = row_cost_weights(max(1, round(fitted)))
         units["cost_fitted_p"] = lambda c: fitted_weights.cost(c.rows, c.pairs, c.rectangle)
