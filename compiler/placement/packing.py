@@ -128,6 +128,24 @@ class _Consumers:
         self.load[k] += own
         self.owner[positions] = k
 
+    def fill_empty(self) -> bool:
+        """Give each empty consumer the first position of the consumer with the most members; False when
+        that consumer has fewer than two. Both complete layouts are recounted: the donor's can only shrink
+        and a lone trajectory fits T, so capacities still hold. `load` keeps the packing's own-row
+        estimates (a single moved position has no unit to take its own rows from)."""
+        for k in range(len(self.members)):
+            if self.members[k]:
+                continue
+            donor = int(np.argmax([len(m) for m in self.members]))
+            if len(self.members[donor]) < 2:
+                return False
+            position = self.members[donor].pop(0)
+            self.members[k] = [position]
+            self.owner[position] = k
+            for c in (donor, k):
+                self.full[c] = self.model.cost(np.asarray(self.members[c], dtype=np.int64))
+        return True
+
     def remove(self, k: int, positions: np.ndarray, own: int) -> None:
         """Take a unit's positions out of consumer k (its complete layout is recounted)."""
         remaining = sorted(set(self.members[k]) - set(positions.tolist()))
@@ -178,15 +196,7 @@ def _pack_units_once(model, units, count: int, capacity: int, rule: str) -> list
         consumers.add(k, positions, int(growth[k]), own)
         placed[k].append(unit)
     _level(consumers, placed, capacity)
-    for k in range(count):
-        while not consumers.members[k]:
-            donor = int(np.argmax([len(m) for m in consumers.members]))
-            if len(consumers.members[donor]) < 2:
-                return None
-            position = consumers.members[donor].pop(0)
-            consumers.members[k].append(position)
-            consumers.owner[position] = k
-    return consumers.members
+    return consumers.members if consumers.fill_empty() else None
 
 
 def _level(consumers: _Consumers, placed: list[list[tuple]], capacity: int) -> None:
