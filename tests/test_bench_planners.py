@@ -6,13 +6,16 @@ and slots, take the least step-total balance, and print a row per planner.
 """
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from harts.compiler.pipeline import CompileOptions
+from harts.schema.summary import balance
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -68,3 +71,34 @@ def test_bad_lists_are_one_usage_line(flags, words):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr and words in done.stderr.splitlines()[-1]
+
+
+def _least_slot_maxima_brute_force(values: list[int], dp: int) -> int:
+    """Every way to deal `values` into slots of `dp` (set partitions into equal groups), the least sum of maxima."""
+    if not values:
+        return 0
+    first, rest = values[0], values[1:]
+    return min(max(first, *group) + _least_slot_maxima_brute_force([v for i, v in enumerate(rest) if i not in pick],
+                                                                    dp)
+               for pick in itertools.combinations(range(len(rest)), dp - 1)
+               for group in [[rest[i] for i in pick]])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_regrouped_is_the_least_sum_of_slot_maxima_of_each_window(seed):
+    rng = np.random.default_rng(seed)
+    dp, slots = 2 + seed % 2, 4
+    work = rng.integers(0, 100, size=(dp, slots))
+    window = np.array([0, 0, 1, 1]) if seed % 3 else np.zeros(slots, dtype=np.int64)
+    out = bench_planners.regrouped(work, window)
+    for w in np.unique(window):
+        columns = np.flatnonzero(window == w)
+        assert sorted(out[:, columns].ravel()) == sorted(work[:, columns].ravel()), "the same values, re-dealt"
+        want = _least_slot_maxima_brute_force(work[:, columns].ravel().tolist(), dp)
+        assert out[:, columns].max(axis=0).sum() == want
+    assert balance(out) >= balance(work) - 1e-12
+
+
+def test_regrouped_balance_bounds_the_plans_own(two_steps):
+    pooled = bench_planners.combine(two_steps)
+    assert pooled["cost_balance"] <= pooled["regrouped_cost_balance"] + 1e-12
