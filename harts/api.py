@@ -293,7 +293,8 @@ def read_plan(path, *, check: bool = True) -> Plan:
 
 def run(plan: Plan, model, *, loss: str | LossConfig | Objective = "nll", mode: str = "compact",
         backward: bool = True, recompute: bool = False, windows: bool = True,
-        logprobs: str = "all", accumulate: bool = False, entropy: bool = False) -> StepResult:
+        logprobs: str = "all", accumulate: bool = False, entropy: bool = False,
+        device_timing: bool = False) -> StepResult:
     """Run the step on `model`. The parameters' `.grad` are zeroed first and then hold the
     gradient of the step's objective (as one backward over the whole step would leave them);
     `accumulate` keeps what `.grad` holds and adds this step's gradient to it (several plans
@@ -303,7 +304,9 @@ def run(plan: Plan, model, *, loss: str | LossConfig | Objective = "nll", mode: 
     "loss" recovers only the positions the objective weighs (others NaN), so the LM head
     skips prompt and tool-output rows; loss and gradients are unchanged. `entropy` reports
     `StepResult.entropy` (the trained positions' entropy, reduced as the loss is; also on
-    when `LossConfig.entropy_coef` > 0 weighs it into the objective).
+    when `LossConfig.entropy_coef` > 0 weighs it into the objective). `device_timing` waits for the device
+    at every clock read, so `StepResult.microbatch_seconds` and `producer_seconds` time each consumer and
+    window producer on a GPU (host time otherwise; results are the same, the step a little slower).
 
     `loss` is a built-in's name, a `LossConfig`, or your own objective: a callable
     (logprobs, inputs: PositionMeta) -> this microbatch's share of the step objective
@@ -318,4 +321,4 @@ def run(plan: Plan, model, *, loss: str | LossConfig | Objective = "nll", mode: 
         raise UsageError(f"loss must be a loss name, a LossConfig or a callable objective, got "
                          f"{type(loss).__name__}; fix: pass e.g. loss='grpo' or loss=LossConfig(kind='ppo')")
     return run_step(plan, model, mode=mode, loss=config, backward=backward, recompute=recompute, windows=windows,
-                    logprobs=logprobs, accumulate=accumulate, entropy=entropy)
+                    logprobs=logprobs, accumulate=accumulate, entropy=entropy, device_timing=device_timing)

@@ -248,3 +248,16 @@ def test_microbatches_may_be_any_iterable_of_integers(tiny_model):
 def test_float16_models_still_run(tiny_model):
     result = api.run(api.compile_trajectories(TOKENS), copy.deepcopy(tiny_model).half(), backward=False)
     assert np.isfinite(result.loss)
+
+
+def test_device_timing_changes_only_the_clock(tiny_model):
+    plan = api.compile_trajectories(TOKENS)
+    model = copy.deepcopy(tiny_model)
+    plain = api.run(plan, model, loss="nll")
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    timed = api.run(plan, model, loss="nll", device_timing=True)
+    assert timed.loss == plain.loss
+    for key in plain.logprobs:
+        np.testing.assert_array_equal(timed.logprobs[key], plain.logprobs[key])
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, (p for p in model.parameters() if p.grad is not None)))
+    assert len(timed.microbatch_seconds) == len(plan.microbatches) and all(t > 0 for t in timed.microbatch_seconds)
