@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 
 from harts.api import compile_trajectories, write_plan
 from harts.compiler.ir.trajectories import TrajectoryBatch
-from harts.compiler.read_trees import _split_lines, read_trees
+from harts.compiler.read_lines import _split_lines
+from harts.compiler.read_trees import read_trees
 from harts.schema.errors import InputError
 
 GOOD = '{"id": 0, "tokens": [1, 2, 3]}'
