@@ -3,6 +3,12 @@
 * Ctrl-C is a request, not a crash: exit 130. Every output is renamed into
   place only when complete (`harts.schema.atomic`), so an interrupt never
   leaves a half-written file.
+* SIGTERM (`kill`, `timeout`, Slurm, Kubernetes) and SIGHUP are handled the
+  same way, exit 128 + the signal's number, so the temporary file beside a
+  target is removed too (by default Python dies at once and leaves it). Not
+  under torchrun with more than one process: its agent stops the other ranks
+  with SIGTERM, and a rank waiting inside a collective would run a Python
+  handler only when the wait ends, so those keep dying at once.
 * A reader that leaves early (`harts stats PLAN | head`, `harts run ... 2>&1 |
   head`) is not an error: the rest of that stream's output is discarded and
   the command still returns its own status (`harts diff --exit-code A B |
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -26,17 +33,58 @@ from harts.schema.errors import OutputError
 INTERRUPTED = "interrupted; no output is left half-written"
 
 
+class Terminated(KeyboardInterrupt):
+    """A stop signal other than Ctrl-C, raised where the program is so that clean-up runs as for Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def run_command(prog: str, command: Callable[[list[str] | None], int], argv: list[str] | None) -> int:
     """`command(argv)`'s status, with both streams guarded and an interrupt reported as above."""
     try:
-        with _guarded_streams():
+        with _guarded_streams(), _stop_signals_raise():
             return command(argv)
+    except Terminated as err:
+        print(f"{prog}: {signal.Signals(err.signum).name}: {INTERRUPTED}", file=sys.stderr)
+        return 128 + err.signum
     except KeyboardInterrupt:
         print(f"{prog}: {INTERRUPTED}", file=sys.stderr)
         return 130
     except OutputError as err:   # standard output's (commands report their files' themselves)
         print(f"{prog}: {err}", file=sys.stderr)
         return err.exit_code
+
+
+@contextlib.contextmanager
+def _stop_signals_raise():
+    """While the command runs, SIGTERM and SIGHUP raise `Terminated`; the previous handlers come back after
+    (the tests call the front ends in-process). Only the main thread may set handlers, and a second signal
+    of either kind finds the default action again, so a stuck clean-up can still be stopped."""
+    wanted = (signal.SIGTERM, signal.SIGHUP)
+    if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1"):
+        yield
+        return
+    previous = {}
+
+    def raise_terminated(signum, frame):
+        for number in previous:
+            signal.signal(number, signal.SIG_DFL)
+        raise Terminated(signum)
+
+    try:
+        for number in wanted:
+            previous[number] = signal.signal(number, raise_terminated)
+    except ValueError:   # not the main thread: leave the process's handlers alone
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        previous = {}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 class _GuardedStream:

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
+import subprocess
+import sys
+import time
 import warnings
 
 import numpy as np
@@ -137,6 +141,54 @@ def test_ctrl_c_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, fr
     err = capsys.readouterr().err
     assert err == f"{front}: interrupted; no output is left half-written\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trees.jsonl"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, signum):
+    """Found by a CLI audit: SIGTERM (what `kill`, `timeout` and schedulers send) killed the process before the
+    temporary file beside the target was removed. Now it is handled as Ctrl-C is, with exit 128 + signum, and
+    the handlers in place before the command are back after it."""
+    import harts.schema.atomic as atomic
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signum)
+    trees = write_trees(tmp_path / "trees.jsonl")
+    before = signal.getsignal(signum)
+    monkeypatch.setattr(atomic.os, "replace", signalled)
+    assert hartsc_main([str(trees), "-o", str(tmp_path / "p.plan"), *COMPILE_FLAGS]) == 128 + signum
+    assert capsys.readouterr().err == f"hartsc: {signal.Signals(signum).name}: interrupted; no output is left half-written\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trees.jsonl"]
+    assert signal.getsignal(signum) is before
+
+
+def test_sigterm_while_a_paper_step_is_written_leaves_nothing(tmp_path):
+    """The audit's case, end to end: `harts gen` killed with SIGTERM while its temporary file is being written."""
+    out = tmp_path / "step.jsonl.zst"
+    proc = subprocess.Popen([sys.executable, "-m", "harts.cli", "gen", "--preset", "paper", "-o", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(p.name.endswith(".tmp") for p in tmp_path.iterdir()):
+        assert proc.poll() is None, "the step was written before a temporary file was seen"
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines() == ["harts gen: SIGTERM: interrupted; no output is left half-written"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_under_torchrun_a_stop_signal_keeps_its_default_action(tmp_path, monkeypatch):
+    """A rank blocked in a collective would run a Python handler only when the wait ends; torchrun's agent
+    stops ranks with SIGTERM, so with WORLD_SIZE > 1 the front ends leave the handlers alone."""
+    from harts.console import run_command
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    seen = []
+    assert run_command("harts x", lambda argv: seen.append(signal.getsignal(signal.SIGTERM)) or 0, []) == 0
+    assert seen == [signal.getsignal(signal.SIGTERM)]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert run_command("harts x", lambda argv: seen.append(signal.getsignal(signal.SIGTERM)) or 0, []) == 0
+    assert seen[1] is not signal.getsignal(signal.SIGTERM)
 
 
 def test_a_sidecar_linked_to_the_plan_is_refused(tmp_path, capsys, unread):
