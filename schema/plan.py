@@ -185,16 +185,24 @@ def decode_plan(data: bytes, source: str = "<plan>") -> Plan:
 
     Rejects, as one `PlanFormatError` line naming `source`: a wrong magic,
     format or version, a truncated or corrupted header or body (zstd checksum,
-    msgpack), a body without `step` and `microbatches`. Arrays come back
+    msgpack), bytes after the body's frame, a body without `step` and
+    `microbatches`. Arrays come back
     exactly as written, whatever their shape; `read_plan` adds the structural
     checks (`validate_plan`) that readers rely on.
     """
     header, body_start = read_header(data, source)
+    frame = zstandard.ZstdDecompressor().decompressobj()
     try:
-        raw = zstandard.ZstdDecompressor().decompress(data[body_start:])
+        raw = frame.decompress(data[body_start:])
     except zstandard.ZstdError as err:
         raise PlanFormatError(f"{source}: plan body is truncated or corrupted ({err}); "
                               "fix: recompile the plan with hartsc") from None
+    if not frame.eof:
+        raise PlanFormatError(f"{source}: plan body is truncated (its zstd frame does not end); "
+                              "fix: recompile the plan with hartsc") from None
+    if frame.unused_data:   # the body is one frame: bytes after it are not part of what hartsc wrote
+        raise PlanFormatError(f"{source}: {len(frame.unused_data)} bytes follow the plan body; "
+                              "fix: recompile the plan with hartsc, or copy the file again") from None
     try:
         body = msgpack.unpackb(raw, raw=False, object_hook=_decode, strict_map_key=False)
     except Exception as err:

@@ -64,6 +64,10 @@ def corrupt(data: bytes, how: str) -> bytes:
         body = bytearray(data)
         body[-6] ^= 0xFF   # inside the compressed body: caught by the zstd checksum or decoder
         return bytes(body)
+    if how == "appended":   # found by a CLI audit: zstd ignored bytes after the body's frame
+        return data + b"GARBAGE-APPENDED"
+    if how == "zero-padded":
+        return data + bytes(7)
     if how == "magic":
         return b"NOTAPLAN" + data[8:]
     if how == "empty":
@@ -78,8 +82,10 @@ def corrupt(data: bytes, how: str) -> bytes:
 
 
 @pytest.mark.parametrize("how, words", [
-    ("truncated", "truncated or corrupted"),
+    ("truncated", "plan body is truncated"),
     ("flipped", "corrupted"),
+    ("appended", "16 bytes follow the plan body"),
+    ("zero-padded", "7 bytes follow the plan body"),
     ("magic", "not a HARTS plan"),
     ("empty", "not a HARTS plan"),
     ("version", "schema version 99"),
