@@ -33,8 +33,9 @@ witness that a plan is legal:
   export of its own after the row above the anchor, or its producer's export
   after that (cached) row.
 
-`check_step_matches` adds, with the input file: the same trajectory ids in
-the same order and the same RL fields (masks, advantages, log-probabilities).
+`check_step_matches` adds, with the input file: the same trajectory ids and
+trees in the same order and the same RL fields (masks, advantages,
+log-probabilities).
 """
 from __future__ import annotations
 
@@ -325,15 +326,25 @@ def _length_mismatch(step: dict, trees_offsets: np.ndarray) -> str:
             f"{int(given[k])} in the input file{hint}")
 
 
-def check_step_matches(step: dict, ids, fields: dict) -> None:
+def _same_typed(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(type(x) is type(y) and x == y for x, y in zip(a, b))
+
+
+def check_step_matches(step: dict, ids, fields: dict, trees=None) -> None:
     """The plan's step is the input file's: the same trajectory ids in the same order (outputs are keyed by
-    them) and the same per-token RL fields, exactly (`fields`: loss_mask, advantages, old/ref_logprobs with
-    NaN where a trajectory gave none, has_old/has_ref_logprobs; None for an absent one)."""
+    them), the same `trees` when given (metadata, but `harts viz --tree` selects by it) and the same per-token
+    RL fields, exactly (`fields`: loss_mask, advantages, old/ref_logprobs with NaN where a trajectory gave
+    none, has_old/has_ref_logprobs; None for an absent one). Values compare with their types: 7 is not "7"."""
     planned = list(step["ids"])
-    if planned != list(ids):
-        k = next((k for k, (a, b) in enumerate(zip(planned, ids)) if a != b), min(len(planned), len(ids)))
-        raise VerificationError("plan matches --trees", f"trajectory {k} has id {planned[k] if k < len(planned) else None!r} "
-                                f"in the plan, {ids[k] if k < len(ids) else None!r} in the input file")
+    for name, plan_values, file_values in (("id", planned, list(ids)),
+                                           ("tree", list(step["trees"]), None if trees is None else list(trees))):
+        if file_values is None or _same_typed(plan_values, file_values):
+            continue
+        k = next((k for k, (a, b) in enumerate(zip(plan_values, file_values)) if not _same_typed([a], [b])),
+                 min(len(plan_values), len(file_values)))
+        raise VerificationError("plan matches --trees",
+                                f"trajectory {k} has {name} {plan_values[k] if k < len(plan_values) else None!r} "
+                                f"in the plan, {file_values[k] if k < len(file_values) else None!r} in the input file")
     offsets = np.asarray(step["token_offsets"], dtype=np.int64)
     for name, expected in fields.items():
         got = step[name]

@@ -198,21 +198,45 @@ def _validate_step(step: _Record) -> int:
         # One pass over trajectories (not tokens): ids key dicts in the tools.
         if not all(type(v) in allowed for v in values):
             step.fail(key, f"holds a value that is not one of {', '.join(t.__name__ for t in allowed)}")
+    _validate_unique_ids(step, step.get("ids"))
     tokens = int(step.array("token_offsets", _INTEGER, n + 1)[-1])
-    step.offsets("token_offsets", n, tokens)
-    step.array("loss_mask", "iub", tokens)
-    step.array("advantages", "f", tokens)
+    offsets = step.offsets("token_offsets", n, tokens)
+    loss_mask = step.array("loss_mask", "iub", tokens)
+    if loss_mask.size and (loss_mask.min() < 0 or loss_mask.max() > 1):
+        bad = int(np.flatnonzero((loss_mask < 0) | (loss_mask > 1))[0])
+        step.fail("loss_mask", f"holds {loss_mask[bad]} at position {bad}, not 0 or 1")
+    advantages = step.array("advantages", "f", tokens)
+    if not np.isfinite(advantages).all():
+        step.fail("advantages", f"holds {advantages[~np.isfinite(advantages)][0]} at position "
+                                f"{int(np.flatnonzero(~np.isfinite(advantages))[0])}; every advantage is finite")
     for key in ("old_logprobs", "ref_logprobs"):
+        has = step.array(f"has_{key}", "b", n)
         if step.get(key) is not None:
-            step.array(key, "f", tokens)
-    for key in ("has_old_logprobs", "has_ref_logprobs"):
-        step.array(key, "b", n)
+            values = step.array(key, "f", tokens)
+            # The reader's invariant: a trajectory that gave them has finite values (0.0 where no loss reads
+            # one), one that did not has NaN, so a loss can never read a NaN it was not told about.
+            given = np.repeat(has.astype(bool), np.diff(offsets))
+            bad = np.flatnonzero(given != np.isfinite(values))
+            if bad.size:
+                step.fail(key, f"position {int(bad[0])} holds {values[bad[0]]} for a trajectory that "
+                               f"{'gave' if given[bad[0]] else 'did not give'} them")
+        elif has.any():
+            step.fail(f"has_{key}", f"says a trajectory gave {key}, but the step holds none")
     step.integer("original_tokens", tokens, tokens + 1)
     # Step totals may pass 2**31 (token_offsets is int64).
     step.integer("trie_unique_tokens", 0, 2**63)
     if "l1_compact_tokens" in step.fields:
         step.integer("l1_compact_tokens", 0, 2**63)
     return n
+
+
+def _validate_unique_ids(step: _Record, ids: list) -> None:
+    """Ids are unique as strings: per-trajectory outputs are keyed by `str(id)` (contract section 3)."""
+    seen: dict[str, int] = {}
+    for k, value in enumerate(ids):
+        earlier = seen.setdefault(str(value), k)
+        if earlier != k:
+            step.fail("ids", f"trajectories {earlier} and {k} share the id {str(value)!r} (as strings)")
 
 
 def _validate_computation(record: _Record, trajectories: int, consumer: bool) -> None:

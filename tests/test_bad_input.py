@@ -336,6 +336,12 @@ def _second_producer(plan):
 
 
 # (what is damaged, how, words the one line must hold)
+def _with(array: np.ndarray, index: int, value) -> np.ndarray:
+    out = array.copy()   # decoded arrays are read-only views of the plan's bytes
+    out[index] = value
+    return out
+
+
 DAMAGE = {
     "start-state-same-round": (_start_from_own_round, "field 'sequence_start_state': a sequence starts from a "
                                                       "state exported in its own or a later round"),
@@ -349,6 +355,22 @@ DAMAGE = {
     "step-offsets-short": (lambda p: p.step.update(token_offsets=p.step["token_offsets"][:-2]),
                            "step: field 'token_offsets'"),
     "step-ids-unhashable": (lambda p: p.step["ids"].__setitem__(0, [1]), "step: field 'ids'"),
+    # Found by a CLI audit: these passed `harts check`, and `harts run` then wrote one trajectory's
+    # log-probabilities under the other's id, or ran to a NaN loss.
+    "step-ids-duplicate": (lambda p: p.step["ids"].__setitem__(1, p.step["ids"][0]),
+                           "trajectories 0 and 1 share the id 't0'"),
+    "step-ids-duplicate-as-strings": (lambda p: p.step.update(ids=[7, "7", *p.step["ids"][2:]]),
+                                      "trajectories 0 and 1 share the id '7' (as strings)"),
+    "step-loss-mask-two": (lambda p: p.step.update(loss_mask=_with(p.step["loss_mask"], 3, 2)),
+                           "field 'loss_mask': holds 2 at position 3, not 0 or 1"),
+    "step-advantages-nan": (lambda p: p.step.update(advantages=_with(p.step["advantages"], 4, np.nan)),
+                            "field 'advantages': holds nan at position 4"),
+    "step-old-logprobs-nan": (lambda p: p.step.update(
+        old_logprobs=_with(np.zeros(len(p.step["loss_mask"]), np.float32), 5, np.nan),
+        has_old_logprobs=np.ones(p.step["num_trajectories"], bool)),
+        "field 'old_logprobs': position 5 holds nan for a trajectory that gave them"),
+    "step-old-logprobs-claimed": (lambda p: p.step.update(has_old_logprobs=np.ones(p.step["num_trajectories"], bool)),
+                                  "field 'has_old_logprobs': says a trajectory gave old_logprobs"),
     "step-loss-mask-short": (lambda p: p.step.update(loss_mask=p.step["loss_mask"][:-1]), "step: field 'loss_mask'"),
     "mb-not-a-map": (lambda p: p.microbatches.__setitem__(1, [1, 2]), "microbatch 1 is list"),
     "mb-replica": (lambda p: p.microbatches[1].update(replica=2), "microbatch 1: field 'replica'"),

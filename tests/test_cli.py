@@ -137,6 +137,8 @@ def test_check_against_other_trees_fails(tmp_path, trees, capsys):
     assert harts_main(["check", str(plan), "--trees", str(other)]) == 1
     err = capsys.readouterr().err.splitlines()[-1]
     assert "has its token" in err and err.startswith(f"harts check: {plan}: invariant ")
+    assert err.endswith("; fix: recompile the plan with hartsc (a plan hartsc writes passes; if it wrote this one, "
+                        "report it)")
 
 
 @pytest.mark.parametrize("edit, words", [
@@ -145,7 +147,10 @@ def test_check_against_other_trees_fails(tmp_path, trees, capsys):
     (lambda r: [dict(r[0], advantages=0.5), *r[1:]], "advantages differs from the input file at trajectory 'a' position 0"),
     (lambda r: [r[0], dict(r[1], loss_mask=[1] * 10), *r[2:]], "loss_mask differs from the input file at trajectory 'b' position 0"),
     (lambda r: [dict(r[0], old_logprobs=[-1.0] * 9), *r[1:]], "old_logprobs is absent in the plan, present in the input file"),
-], ids=["ids-swapped", "id-renamed", "advantages", "loss-mask", "old-logprobs"])
+    (lambda r: [*r[:2], dict(r[2], id="3"), r[3]], "trajectory 2 has id 3 in the plan, '3' in the input file"),
+    (lambda r: [*r[:2], dict(r[2], tree="t1"), r[3]], "trajectory 2 has tree 't0' in the plan, 't1' in the input file"),
+    (lambda r: [dict(r[0], tree=0), *r[1:]], "trajectory 0 has tree None in the plan, 0 in the input file"),
+], ids=["ids-swapped", "id-renamed", "advantages", "loss-mask", "old-logprobs", "id-as-string", "tree", "tree-added"])
 def test_check_trees_compares_ids_and_rl_fields_not_only_tokens(tmp_path, trees, capsys, edit, words):
     """Same tokens, different ids or RL fields: outputs would be filed under the wrong ids, or the loss would
     weigh what the file does not say (found by fuzzing: swapped ids passed `--trees`)."""
@@ -157,6 +162,7 @@ def test_check_trees_compares_ids_and_rl_fields_not_only_tokens(tmp_path, trees,
     assert harts_main(["check", str(plan), "--trees", str(other)]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "plan matches --trees" in err and words in err, err
+    assert err.endswith(f"; fix: pass the trees file {plan} was compiled from, or recompile it from this one")
 
 
 @pytest.mark.parametrize("edit, words", [

@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="harts check", description="Verify every invariant of a HARTS plan.")
     parser.add_argument("plan", help="plan file written by hartsc")
     parser.add_argument("--trees", help="the trees.jsonl[.zst] the plan was compiled from: also check every token, "
-                                        "the ids and the RL fields (masks, advantages, log-probabilities)")
+                                        "the ids, trees and RL fields (masks, advantages, log-probabilities)")
     args = parser.parse_args(argv)
     try:
         plan = read_plan(args.plan)
@@ -27,9 +27,13 @@ def main(argv: list[str] | None = None) -> int:
             batch = read_trees(args.trees)
         check_plan(plan, *((batch.tokens, batch.token_offsets) if batch else ()))
         if batch:
-            check_step_matches(plan.step, batch.ids, {name: getattr(batch, name) for name in STEP_FIELDS})
+            check_step_matches(plan.step, batch.ids, {name: getattr(batch, name) for name in STEP_FIELDS},
+                               trees=batch.trees)
     except VerificationError as err:   # the plan read, but breaks an invariant: say which plan
-        print(f"harts check: {args.plan}: {err}", file=sys.stderr)
+        fix = (f"pass the trees file {args.plan} was compiled from, or recompile it from this one"
+               if err.invariant == "plan matches --trees" else
+               "recompile the plan with hartsc (a plan hartsc writes passes; if it wrote this one, report it)")
+        print(f"harts check: {args.plan}: {err}; fix: {fix}", file=sys.stderr)
         return err.exit_code
     except HartsError as err:          # these name their file already
         print(f"harts check: {err}", file=sys.stderr)
