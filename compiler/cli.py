@@ -134,10 +134,10 @@ def _compile(argv: list[str] | None) -> int:
             print(f"hartsc: {line}", file=sys.stderr)
     if args.json:
         print(json.dumps(stats, sort_keys=True))
-    print(f"hartsc: wrote {args.output}: {plural(stats['trajectories'], 'trajectory')}, {stats['original_tokens']} "
-          f"tokens -> {stats['compact_tokens']} compact ({stats['compression']:.2f}x), "
+    print(f"hartsc: wrote {args.output}: {plural(stats['trajectories'], 'trajectory')}, {stats['original_tokens']:,} "
+          f"tokens -> {stats['compact_tokens']:,} compact ({stats['compression']:.2f}x), "
           f"{plural(stats['microbatches'], 'microbatch')}, "
-          + (f"{stats['decoder_tokens']} decoder rows with {plural(stats['windows'], 'sharing window')} "
+          + (f"{stats['decoder_tokens']:,} decoder rows with {plural(stats['windows'], 'sharing window')} "
              f"({stats['compression_l2']:.2f}x), " if stats["decoder_tokens"] < stats["compact_tokens"] else "") +
           f"max {plural(stats['max_rounds'], 'round')}, read {read_seconds:.2f}s, planned {planning:.2f}s", file=sys.stderr)
     return 0

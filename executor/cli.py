@@ -76,8 +76,8 @@ def load_model(model_dir: str, dtype: str = "float32"):
     except _load_errors() as err:
         first = (str(err).strip().splitlines() or [""])[0]
         raise HartsError(f"{model_dir}: cannot load the model ({type(err).__name__}: {first}); "
-                         "fix: pass a complete Hugging Face model directory (a truncated or damaged weights "
-                         "file must be copied again or re-created)") from None
+                         "fix: pass a complete Hugging Face model directory (copy again or re-create a "
+                         "truncated or damaged config or weights file)") from None
     finally:
         hf_logging.set_verbosity(verbosity)
     check_loaded_weights(model_dir, info)

@@ -347,10 +347,12 @@ def test_cli_writes_the_file_and_prints_one_summary_line(tmp_path, capsys):
                                   ["--logprob-scale", "nan", "-o", "x.jsonl"],
                                   ["--vocab-size", str(2**32), "-o", "x.jsonl"],
                                   ["--tool-tokens-median", "nan", "-o", "x.jsonl"],
-                                  ["--target-tokens", "0", "-o", "x.jsonl"]],
+                                  ["--target-tokens", "0", "-o", "x.jsonl"],
+                                  ["--tasks", "1", "-o", "x.jsonl.gz"],
+                                  ["--tasks", "1", "-o", "x.jsonl.XZ"]],
                          ids=["no-tasks", "turns-reversed", "no-output", "prompt-over-limit",
                               "logprob-scale-inf", "logprob-scale-overflows-float32", "logprob-scale-nan",
-                              "vocab-over-int32", "median-nan", "target-0"])
+                              "vocab-over-int32", "median-nan", "target-0", "gzip-name", "xz-name"])
 def test_cli_rejects_bad_input_with_one_line(argv, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
@@ -382,6 +384,15 @@ def test_python_dash_m_runs(tmp_path):
     run = subprocess.run([sys.executable, "-m", "harts.tools.gen", "--preset", "paper",
                           "--dry-run"], capture_output=True, text=True, check=False)
     assert run.returncode == 0 and "trajectories" in run.stderr
+
+
+def test_refusals_name_the_bound_and_the_default_they_suggest():
+    """Found by a CLI audit: vocab_size 2 was refused with "must be >= 2, ...", and a tool-output median with
+    the action median's default."""
+    with pytest.raises(ValueError, match=r"vocab_size must be >= 4 \(.*\), got 2; fix: .* to 4 or more"):
+        GenConfig(vocab_size=2)
+    with pytest.raises(ValueError, match=r"tool_tokens_median .* e\.g\. 400$"):
+        GenConfig(tool_tokens_median=math.inf)
 
 
 @pytest.mark.parametrize("bad", [

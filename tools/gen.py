@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -87,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+# Suffixes that promise a compression `write_jsonl` does not do (it compresses `.zst` names only).
+_OTHER_COMPRESSIONS = (".gz", ".bz2", ".xz", ".lz4", ".zip")
+
+
 def main(argv: list[str] | None = None) -> int:
     """`harts gen`: 0 on success; 2 with one `harts gen: error: ...` line on stderr."""
     args = _parser().parse_args(argv)
@@ -104,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.dry_run:
             # Before any work: a bad path must not cost a paper-scale generation.
             check_output_path(args.output)
+            suffix = os.path.splitext(args.output)[1].lower()
+            if suffix in _OTHER_COMPRESSIONS:   # found by a CLI audit: plain JSON lines went out under .gz
+                raise UsageError(f"{args.output}: harts gen compresses with zstd only, not {suffix[1:]}; "
+                                 "fix: name the output .jsonl.zst (compressed) or .jsonl")
         t0 = time.perf_counter()
         plans = plan(config)
         stats = step_stats(config, plans)

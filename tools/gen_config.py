@@ -132,7 +132,7 @@ class GenConfig:
         for name in ("action_tokens_median", "tool_tokens_median"):
             value = getattr(c, name)
             _need(math.isfinite(value) and value > 0, f"{name} must be finite and > 0", value,
-                  f"set {name} ({cli_flag(name)}) to a positive length, e.g. 96")
+                  f"set {name} ({cli_flag(name)}) to a positive length, e.g. {_default(name):g}")
         for name in ("action_tokens_sigma", "tool_tokens_sigma"):
             value = getattr(c, name)
             _need(math.isfinite(value) and value >= 0, f"{name} must be finite and >= 0", value,
@@ -150,8 +150,8 @@ class GenConfig:
               f"raise context_limit (--context-limit) above {prompt_max}, or shorten the prompts")
         low_vocab = max(2, c.group_size, c.branch_factor)
         _need(c.vocab_size >= low_vocab,
-              "vocab_size must be >= 2, group_size and branch_factor (siblings need distinct "
-              "first tokens)", c.vocab_size, f"set vocab_size (--vocab-size) to {low_vocab} or more")
+              f"vocab_size must be >= {low_vocab} (at least 2, group_size and branch_factor: siblings need "
+              "distinct first tokens)", c.vocab_size, f"set vocab_size (--vocab-size) to {low_vocab} or more")
         # Tokens are int32 (as in the plan format): ids up to 2**31 - 1.
         _need(c.vocab_size <= _MAX_VOCAB, f"vocab_size must be <= 2**31 = {_MAX_VOCAB} (token ids are int32)",
               c.vocab_size, "set vocab_size (--vocab-size) to the model's vocabulary size")
@@ -164,6 +164,10 @@ class GenConfig:
               "treestep needs max_branches >= group_size", (c.max_branches, c.group_size),
               f"set max_branches (--max-branches) to {c.group_size} or more, or lower group_size")
         _need(c.seed >= 0, "seed must be >= 0", c.seed, "set seed (--seed) to 0 or more")
+
+
+def _default(name: str):
+    return GenConfig.__dataclass_fields__[name].default
 
 
 def cli_flag(name: str) -> str:

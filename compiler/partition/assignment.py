@@ -7,6 +7,7 @@ import numpy as np
 from harts.compiler.partition.options import L1Options
 from harts.compiler.prefix_cost import PrefixCostModel
 from harts.schema.errors import PassFailedError
+from harts.text import plural
 
 
 def initial_assignment(work: np.ndarray, dp: int) -> tuple[np.ndarray, np.ndarray, tuple[int, int, int]]:
@@ -52,5 +53,6 @@ def check_step_fits(model: PrefixCostModel, capacity: int, dp: int, pass_name: s
                                          f"more than the microbatch capacity {capacity}",
                               f"raise the capacity to at least {model.lengths[worst]} or drop/truncate that trajectory")
     if n < dp:
-        raise PassFailedError(pass_name, f"{n} trajectories cannot give each of {dp} DP replicas a non-empty microbatch",
+        raise PassFailedError(pass_name,
+                              f"{plural(n, 'trajectory')} cannot give each of {dp} DP replicas a non-empty microbatch",
                               f"lower dp to at most {n} or add trajectories to the step")
