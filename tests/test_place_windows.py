@@ -350,6 +350,23 @@ def test_exchanges_lower_phi_and_keep_the_placement_valid():
     assert any(before.get(m, r) != r for m, r in after.items()), "some consumer changed replica"
 
 
+def test_the_exchange_scan_budget_stops_rounds_it_cannot_pay_for():
+    """Found by a planner audit: scoring a round's swaps costs D^2/2 x S^3 numbers for windows of S slots, which
+    took minutes at 1,168 consumers. A budget below one round's cost runs none (the plan of exchange_rounds=0);
+    one above the rounds the search takes changes nothing."""
+    lengths, lcp = lengths_and_lcp(_step_wise_forest(seed=1, trees=8))
+    capacity = int(1.5 * lengths.max())
+    partition = partition_microbatches(lengths, lcp, capacity=capacity, dp=3)
+    trie = type("Trie", (), {"lengths": lengths, "lcp": lcp})
+    without = place_windows(trie, partition, capacity=capacity, dp=3, options=L2Options(exchange_rounds=0))
+    starved = place_windows(trie, partition, capacity=capacity, dp=3, options=L2Options(exchange_scan_budget=1))
+    assert starved.key == without.key
+    assert any(d.startswith("exchanges: 0 consumer swaps") and "(scan budget: " in d for d in starved.decisions)
+    default = place_windows(trie, partition, capacity=capacity, dp=3)
+    ample = place_windows(trie, partition, capacity=capacity, dp=3, options=L2Options(exchange_scan_budget=10**12))
+    assert ample.key == default.key < without.key
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(forests(), st.integers(2, 3))
 def test_zero_pairs_per_token_balances_the_rows_harts_stats_reports(lists, dp):

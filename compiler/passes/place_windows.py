@@ -109,7 +109,9 @@ the choices filling the gaps are:
   Phi alone is flat. Refinement runs again after the exchanges below, then
   letting a move that would overfill its producer lower that producer's
   sharing depth (a full re-evaluation) instead of refusing it.
-* Placement exchanges (at most `exchange_rounds` accepted): two consumers of
+* Placement exchanges (at most `exchange_rounds` accepted, and only the
+  rounds `exchange_scan_budget` pays for: scoring a round's swaps grows as
+  D^2 S^3 for windows of S slots): two consumers of
   one window on different replicas trade places. Complete layouts do not
   change, so only producers can break capacity; the cost is that a consumer
   leaves the producer that cached its shared rows. Moving trajectories rarely

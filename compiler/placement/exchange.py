@@ -97,8 +97,16 @@ def exchange_consumers(model: PrefixCostModel, options: L2Options, layout: Layou
     ignores what the old cell mates lose.
     """
     potential = work_potential(layout)
-    accepted = evaluations = 0
+    accepted = evaluations = scanned = 0
+    # Two rankings per round, each scoring |A| x |B| swaps of S slots for every pair of cells of a window.
+    sizes = np.bincount(layout.cell_of_consumer, minlength=len(layout.cap_of_cell)).reshape(-1, dp)
+    round_scan = 2 * int(sum((row.sum() ** 2 - (row ** 2).sum()) // 2 * (row.max(initial=0)) for row in sizes))
+    stopped = ""
     for _ in range(options.exchange_rounds):
+        if scanned + round_scan > options.exchange_scan_budget:
+            stopped = f" (scan budget: {round_scan:,} numbers a round)"
+            break
+        scanned += round_scan
         cost = layout.ev.res_f + layout.ev.res_b
         fixed = _exchange_candidates(layout, cost, dp)
         moved = _exchange_candidates(layout, cost, dp, _cost_in_cells(model, layout, layout.ev, cost, dp))
@@ -120,5 +128,6 @@ def exchange_consumers(model: PrefixCostModel, options: L2Options, layout: Layou
             break
         layout, potential = kept
         accepted += 1
-    decisions.append(f"exchanges: {accepted} consumer swaps accepted, {evaluations} evaluated, {format_key(layout.key)}")
+    decisions.append(f"exchanges: {accepted} consumer swaps accepted, {evaluations} evaluated{stopped}, "
+                     f"{format_key(layout.key)}")
     return layout

@@ -48,6 +48,11 @@ class L2Options:
     exchange_rounds: int = 150
     exchange_candidates: int = 128
     exchange_evaluations: int = 1200
+    # Scoring every swap of a round builds D^2/2 x S^3 numbers for a window of S slots (~9 ns each), so
+    # windows of many slots (a small capacity: 576 consumers at D = 8 took 12 s, 1,168 took minutes) stop
+    # after the rounds this many numbers pay for (~1 s). Paper-scale steps use at most 3.4M (both kinds,
+    # D = 2, 4, 8, generator seeds 0-9), so the budget never stops them.
+    exchange_scan_budget: int = 100_000_000
     seed: int = 0                       # recorded only: the pass is deterministic
 
     @classmethod
