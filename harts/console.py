@@ -73,18 +73,21 @@ def _stop_signals_raise():
             signal.signal(number, signal.SIG_DFL)
         raise Terminated(signum)
 
+    def restore():
+        for number, handler in previous.items():
+            # None: a handler set outside Python, which cannot be put back; the default is the nearest.
+            signal.signal(number, signal.SIG_DFL if handler is None else handler)
+
     try:
         for number in wanted:
             previous[number] = signal.signal(number, raise_terminated)
     except ValueError:   # not the main thread: leave the process's handlers alone
-        for number, handler in previous.items():
-            signal.signal(number, handler)
+        restore()
         previous = {}
     try:
         yield
     finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
+        restore()
 
 
 class _GuardedStream:

@@ -199,10 +199,10 @@ def decode_plan(data: bytes, source: str = "<plan>") -> Plan:
                               "fix: recompile the plan with hartsc") from None
     if not frame.eof:
         raise PlanFormatError(f"{source}: plan body is truncated (its zstd frame does not end); "
-                              "fix: recompile the plan with hartsc") from None
+                              "fix: recompile the plan with hartsc")
     if frame.unused_data:   # the body is one frame: bytes after it are not part of what hartsc wrote
         raise PlanFormatError(f"{source}: {len(frame.unused_data)} bytes follow the plan body; "
-                              "fix: recompile the plan with hartsc, or copy the file again") from None
+                              "fix: recompile the plan with hartsc, or copy the file again")
     try:
         body = msgpack.unpackb(raw, raw=False, object_hook=_decode, strict_map_key=False)
     except Exception as err:
