@@ -256,7 +256,7 @@ def _rank_columns(model: PrefixCostModel, members: list[np.ndarray], loads: np.n
     in_column: list[list[np.ndarray]] = [[] for _ in range(dp)]
     for j in range(len(members) // dp):
         group = order[j * dp:(j + 1) * dp].tolist()
-        if affine and j > 0:
+        if affine and j > 0 and dp > 1:   # one column: nothing to match, and the sorts below grow as S x N
             column_positions = [np.sort(np.concatenate(parts)) for parts in in_column]
             pairs = _greedy_matching(_shared_rows(model, [members[k] for k in group], column_positions), totals)
         else:
