@@ -4,6 +4,7 @@ Usage:
     python benchmarks/bench_planners.py [--kinds stepwise,treestep] [--dp 2,4,8] [--capacity 65536]
                                         [--preset paper|small] [--ffd-budget SECONDS] [--no-ffd]
                                         [--pairs-per-token R] [--system-prompt-tokens N] [--steps N]
+                                        [--l1-objective step-time|compression]
 
 For each generated workload (`harts.tools.gen.preset(preset, kind)`, built in
 memory) and each DP degree D, compiles the step with L1 alone, with L1+L2
@@ -41,6 +42,9 @@ microbatches, grows with it.
 models; 0 makes L2 balance tokens, the unit of the balance columns, and then
 "cost bal" equals "balance").
 
+`--l1-objective` is hartsc's: how L1 (and so L2, which starts from it) ranks
+its partitions; `compression` is the paper's Equation 1.
+
 Then, for D = 8, whether the issue's targets hold: L1+L2 decoder work at
 least 25% below L1, balance >= 97%, P5 >= 90%, L1+L2 planning under 1.5 s.
 The decoder target is also compared with what any plan could reach: every
@@ -63,6 +67,7 @@ import numpy as np
 
 from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
+from harts.compiler.partition.options import L1_OBJECTIVES
 from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.schema.errors import HartsError
 from harts.schema.summary import balance, balance_percentile, plan_statistics, slot_grid, work_grids
@@ -187,6 +192,8 @@ def main() -> None:
                         help=f"L2's cost model, as hartsc's flag (default {DEFAULT_PAIRS_PER_TOKEN}; 0: tokens only)")
     parser.add_argument("--system-prompt-tokens", type=int, default=None,
                         help="regenerate the workload with this scaffold-prompt length (default: the preset's)")
+    parser.add_argument("--l1-objective", choices=L1_OBJECTIVES, default="step-time",
+                        help="hartsc's --l1-objective for L1 and L1+L2 (default step-time)")
     parser.add_argument("--steps", type=int, default=1,
                         help="steps per workload (generator seeds 0..N-1), pooled as the paper pools its ten "
                              "(default 1)")
@@ -207,7 +214,8 @@ def main() -> None:
     header = (f"{'workload':<9} {'D':>2} {'planner':<7} {'compr':>7} {'decoder':>10} {'vs L1':>7} {'balance':>8} "
               f"{'cost bal':>8} {'P5':>7} {'cost P5':>7} {'step-tot':>8} {'slots':>5} {'win':>4} {'plan s':>7}")
     prompt = args.system_prompt_tokens if args.system_prompt_tokens is not None else "the preset's"
-    print(f"L2 cost model: --pairs-per-token {args.pairs_per_token}; scaffold prompt: {prompt} tokens")
+    print(f"L2 cost model: --pairs-per-token {args.pairs_per_token}; scaffold prompt: {prompt} tokens; "
+          f"--l1-objective {args.l1_objective}")
     print(header)
     print("-" * len(header))
     verdicts = []
@@ -217,7 +225,7 @@ def main() -> None:
             batch = build_batch(args.preset, kind, args.system_prompt_tokens, seed)
             for dp in dps:
                 base = CompileOptions(dp=dp, capacity=args.capacity, chunk_size=args.chunk_size, levels="l1",
-                                      pairs_per_token=args.pairs_per_token)
+                                      pairs_per_token=args.pairs_per_token, l1_objective=args.l1_objective)
                 planners = {"L1": base, "L1+L2": dataclasses.replace(base, levels="l1+l2")}
                 if not args.no_ffd:
                     planners["FFD"] = ffd_options(base, args.ffd_budget)

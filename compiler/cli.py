@@ -6,6 +6,7 @@ import json
 import sys
 import time
 
+from harts.compiler.partition.options import L1_OBJECTIVES
 from harts.compiler.passes.partition_ffd import SHARD_UNITS
 from harts.compiler.ir.trajectories import positive_logprob_warnings
 from harts.console import run_command
@@ -52,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-window-slots", type=int, default=0, metavar="N",
                    help="L2: no sharing window spans more than N slots, which bounds how long a producer's "
                         "activations stay in memory (default 0: no limit)")
+    p.add_argument("--l1-objective", choices=L1_OBJECTIVES, default="step-time",
+                   help="how L1 ranks its partitions: step-time (default) puts the critical path, the sum over "
+                        "slots of the heaviest microbatch, first; compression is the paper's Equation 1, least "
+                        "total work first, which can leave replicas idle when one prefix spans the step")
     p.add_argument("--seed", type=int, default=0, help="seed of the ffd planner's CP-SAT search; the harts planner is deterministic and "
                         "only records it (default 0)")
     p.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= this (default: no check)")
@@ -68,6 +73,7 @@ _IDLE_FLAGS = (
     ("--ffd-first-feasible", "ffd_first_feasible", "--planner ffd", lambda o: o.planner == "ffd"),
     ("--ffd-shard", "ffd_shard", "--planner ffd", lambda o: o.planner == "ffd"),
     ("--max-window-slots", "max_window_slots", "--levels l1+l2", lambda o: o.effective_levels == "l1+l2"),
+    ("--l1-objective", "l1_objective", "--planner harts", lambda o: o.planner == "harts"),
 )
 
 
@@ -96,7 +102,7 @@ def _compile(argv: list[str] | None) -> int:
                                  vocab_size=args.vocab_size, verify=args.debug,
                                  ffd_time_budget=args.ffd_time_budget, ffd_first_feasible=args.ffd_first_feasible,
                                  ffd_shard=args.ffd_shard, pairs_per_token=args.pairs_per_token,
-                                 max_window_slots=args.max_window_slots)
+                                 max_window_slots=args.max_window_slots, l1_objective=args.l1_objective)
         # Flags and output paths are checked before the (possibly minutes-long) read and compile.
         check_options(options)
         for line in idle_flag_warnings(args, parser, options):

@@ -33,7 +33,8 @@ from harts.compiler.passes.build_trie import build_trie, verify_trie
 from harts.compiler.passes.lower_plan import (lower_cached_rows, lower_microbatch, lower_producer, lower_residual,
                                               lower_step)
 from harts.compiler.passes.partition_ffd import SHARD_UNITS, partition_ffd
-from harts.compiler.passes.partition_microbatches import L1Options, partition_microbatches, verify_partition
+from harts.compiler.passes.partition_microbatches import (L1_OBJECTIVES, L1Options, partition_microbatches,
+                                                          verify_partition)
 from harts.compiler.passes.place_windows import L2Options, place_windows, verify_placement
 from harts.compiler.passes.plan_replay import ReplayPlan, plan_replay, with_exports
 from harts.compiler.passes.plan_residual import ResidualPlan, plan_residual, verify_residual
@@ -68,6 +69,9 @@ class CompileOptions:
     # cached interfaces stay alive until its window's last consumer, so this
     # bounds that memory at the price of sharing less.
     max_window_slots: int = 0
+    # L1's ranking of its candidates: "step-time" (critical path first) or "compression" (the paper's
+    # Equation 1); `partition_microbatches` explains the difference. Read by the harts planner only.
+    l1_objective: str = "step-time"
 
     @property
     def effective_levels(self) -> str:
@@ -82,7 +86,8 @@ class CompileOptions:
                 "planner": self.planner, "levels": self.effective_levels, "seed": self.seed,
                 "vocab_size": self.vocab_size, "ffd_time_budget": self.ffd_time_budget,
                 "ffd_first_feasible": self.ffd_first_feasible, "ffd_shard": self.ffd_shard,
-                "pairs_per_token": self.pairs_per_token, "max_window_slots": self.max_window_slots}
+                "pairs_per_token": self.pairs_per_token, "max_window_slots": self.max_window_slots,
+                "l1_objective": self.l1_objective}
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +228,9 @@ def check_options(options: CompileOptions) -> None:
                               "comparison planner has no sharing windows",
                               "use --planner harts --levels l1+l2, or --planner ffd --levels l1")
     check_integer_options(options)
+    if options.l1_objective not in L1_OBJECTIVES:
+        raise PassFailedError("options", f"unknown --l1-objective '{options.l1_objective}'",
+                              f"use one of {', '.join(L1_OBJECTIVES)}")
     # Recorded in the plan header whichever planner runs, so checked for both.
     budget = options.ffd_time_budget
     if not _positive_finite(budget):
@@ -253,7 +261,8 @@ def compile_batch(batch: TrajectoryBatch, options: CompileOptions, progress=None
                           seed=options.seed, first_feasible=options.ffd_first_feasible, shard=options.ffd_shard)
     else:
         partition = timed("partition-microbatches", partition_microbatches, trie.lengths, trie.lcp,
-                          capacity=options.capacity, dp=options.dp, options=L1Options())
+                          capacity=options.capacity, dp=options.dp,
+                          options=L1Options(objective=options.l1_objective))
     if options.verify:
         verify_partition(trie.lengths, trie.lcp, partition, options.capacity, options.dp)
 

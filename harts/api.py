@@ -202,7 +202,8 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
                          ref_logprobs: Sequence[Sequence[float]] | None = None,
                          dp: int = 1, capacity: int = 65536, chunk_size: int = 64,
                          vocab_size: int | None = None, levels: str = "l1+l2",
-                         pairs_per_token: int = DEFAULT_PAIRS_PER_TOKEN, max_window_slots: int = 0) -> Plan:
+                         pairs_per_token: int = DEFAULT_PAIRS_PER_TOKEN, max_window_slots: int = 0,
+                         l1_objective: str = "step-time") -> Plan:
     """Compile trajectories held in memory (same alignment as trees.jsonl: index i belongs to tokens[i]).
 
     `ids` and `trees` are the records' `id` and `tree` (a str or int each; ids
@@ -210,7 +211,8 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
     `levels` is hartsc's `--levels`: "l1+l2" (default) adds sharing windows,
     "l1" stops after L1 microbatches. `pairs_per_token` is `--pairs-per-token`
     (L2's cost model; 0 balances tokens only), `max_window_slots` is
-    `--max-window-slots` (0: windows of any length).
+    `--max-window-slots` (0: windows of any length), `l1_objective` is
+    `--l1-objective` ("step-time" or the paper's "compression").
 
     Checks what the file reader checks, raising `ValueError` with a fix:
     token ids are integers in [0, vocab_size), masks are 0/1 and every
@@ -219,7 +221,8 @@ def compile_trajectories(tokens: Sequence[Sequence[int]], *, ids: Sequence | Non
     a `ValueError` too).
     """
     options = CompileOptions(dp=dp, capacity=capacity, chunk_size=chunk_size, vocab_size=vocab_size, levels=levels,
-                             pairs_per_token=pairs_per_token, max_window_slots=max_window_slots)
+                             pairs_per_token=pairs_per_token, max_window_slots=max_window_slots,
+                             l1_objective=l1_objective)
     check_options(options)
     tokens = _sequence(tokens, "tokens", "give one list of token ids per trajectory")
     _check_tokens(tokens, vocab_size)

@@ -234,12 +234,30 @@ def test_positive_logprobs_warn_in_python_too():
     (["--max-window-slots", "2"], []),      # --levels left out: l1+l2, which reads it (found by a docs audit)
     (["--levels", "l1", "--pairs-per-token", "0"], []),      # harts stats' cost_balance reads it at either level
     (["--planner", "ffd", "--levels", "l1", "--ffd-time-budget", "1"], []),
+    (["--planner", "ffd", "--levels", "l1", "--l1-objective", "compression"],
+     ["--l1-objective has no effect without --planner harts"]),
+    (["--levels", "l1", "--l1-objective", "compression"], []),
 ])
 def test_flags_the_chosen_planner_never_reads_are_warned_about(tmp_path, trees, capsys, flags, warned):
     assert hartsc_main([str(trees), "-o", str(tmp_path / "p.plan"), *flags]) == 0
     warnings = [line.removeprefix("hartsc: warning: ") for line in capsys.readouterr().err.splitlines()
                 if line.startswith("hartsc: warning: ")]
     assert [w.split(" (")[0] for w in warnings] == warned
+
+
+def test_l1_objective_is_recorded_and_a_bad_one_refused_before_reading(tmp_path, trees, capsys):
+    import harts.api as harts
+    assert hartsc_main([str(trees), "-o", str(tmp_path / "p.plan"), "--l1-objective", "compression"]) == 0
+    assert harts.read_plan(tmp_path / "p.plan").flags["l1_objective"] == "compression"
+    assert hartsc_main([str(trees), "-o", str(tmp_path / "q.plan")]) == 0
+    assert harts.read_plan(tmp_path / "q.plan").flags["l1_objective"] == "step-time"
+    with pytest.raises(SystemExit) as refused:
+        hartsc_main([str(trees), "-o", str(tmp_path / "r.plan"), "--l1-objective", "fast"])
+    assert refused.value.code == 2 and "invalid choice: 'fast'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown --l1-objective 'fast'; fix: use one of step-time, compression"):
+        harts.compile_trajectories([[1, 2, 3], [1, 2, 4]], capacity=64, l1_objective="fast")
+    plan = harts.compile_trajectories([[1, 2, 3], [1, 2, 4]], capacity=64, l1_objective="compression")
+    assert plan.flags["l1_objective"] == "compression"
 
 
 def _command(*args: str) -> list[str]:

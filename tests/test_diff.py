@@ -30,9 +30,13 @@ def plans(tmp_path_factory):
     folder = tmp_path_factory.mktemp("diff")
     trees = folder / "trees.jsonl"
     gen.write_jsonl(gen.generate(WORKLOAD), trees)
-    # L1 plans: L1 keeps its microbatches whatever D is, which the placement test relies on.
-    flags = {"dp2": ["--dp", "2", "--capacity", "700"], "dp4": ["--dp", "4", "--capacity", "700"],
-             "dp4_again": ["--dp", "4", "--capacity", "700"], "dp4_small": ["--dp", "4", "--capacity", "600"]}
+    # L1 plans under the paper's objective: its least-total partition of this step is the same whatever D
+    # is, which the placement test relies on (the default, critical path first, rebalances per D).
+    paper = ["--l1-objective", "compression"]
+    flags = {"dp2": ["--dp", "2", "--capacity", "700", *paper], "dp4": ["--dp", "4", "--capacity", "700", *paper],
+             "dp4_again": ["--dp", "4", "--capacity", "700", *paper],
+             "dp4_small": ["--dp", "4", "--capacity", "600", *paper],
+             "dp2_step_time": ["--dp", "2", "--capacity", "700"]}
     paths = {}
     for name, extra in flags.items():
         paths[name] = folder / f"{name}.plan"
@@ -66,6 +70,14 @@ def test_different_dp_shows_flags_and_placement_not_membership(plans, capsys):
     assert "placement" in result["changed"] and "placement:" in out
     assert result["statistics"]["slots"]["a"] == 2 * result["statistics"]["slots"]["b"]
     assert "capacity" not in out, "only what changed is shown"
+
+
+def test_l1_objective_is_a_flag_and_moves_trajectories(plans, capsys):
+    out = run_diff(capsys, plans["dp2"], plans["dp2_step_time"])
+    assert ["l1_objective", "compression", "step-time"] in [line.split() for line in out.splitlines()]
+    result = diff_plans(read_plan(plans["dp2"]), read_plan(plans["dp2_step_time"]))
+    assert {name for name, (a, b) in result["flags"].items() if a != b} == {"l1_objective"}
+    assert "membership" in result["changed"] and result["membership"]["moved"]
 
 
 def test_different_capacity_moves_trajectories_by_id(plans, capsys):

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from harts.compiler.passes.partition_microbatches import (
     GREEDY_ORDERS, L1Options, align_by_singleton_splits, candidate_counts, contiguous_evolve,
-    contiguous_exact, dense_lcp_table, eliminate_small_groups, greedy_candidates, greedy_fill, greedy_orders,
+    contiguous_exact, contiguous_min_max, dense_lcp_table, eliminate_small_groups, greedy_candidates, greedy_fill, greedy_orders,
     initial_assignment, natural_partition, partition_microbatches, sample_counts, verify_partition)
 from harts.compiler.prefix_cost import PrefixCostModel
 from harts.schema.errors import PassFailedError, VerificationError
@@ -31,15 +31,15 @@ SETTINGS = settings(max_examples=50, deadline=None)
 # --------------------------------------------------------------------------- inputs and references
 
 
-def brute_force_contiguous(sequences, capacity, k):
-    """Least total work over all contiguous k-partitions (None if none fits)."""
+def brute_force_contiguous(sequences, capacity, k, score=sum):
+    """The least score (of the list of group costs) over all feasible contiguous k-partitions, or None."""
     n = len(sequences)
     best = None
     for cuts in itertools.combinations(range(1, n), k - 1):
         bounds = (0, *cuts, n)
         costs = [trie_nodes(sequences[a:b]) for a, b in zip(bounds, bounds[1:])]
-        if max(costs) <= capacity and (best is None or sum(costs) < best):
-            best = sum(costs)
+        if max(costs) <= capacity and (best is None or score(costs) < best):
+            best = score(costs)
     return best
 
 
@@ -107,15 +107,18 @@ def test_every_result_satisfies_the_l1_invariants(sequences, data):
 
 
 @settings(max_examples=40, deadline=None)
-@given(token_batches(max_n=9), st.data())
-def test_exact_contiguous_search_equals_brute_force(sequences, data):
+@given(token_batches(max_n=9), st.data(), st.sampled_from([(contiguous_exact, sum), (contiguous_min_max, max)]))
+def test_contiguous_searches_equal_brute_force(sequences, data, search_and_score):
+    """The exact search's total and the min-max search's heaviest group, for every k, equal the least
+    over all feasible contiguous k-partitions; a k is missing exactly when none fits."""
+    search, score = search_and_score
     lengths, lcp = lengths_and_lcp(sequences)
     model = PrefixCostModel.build(lengths, lcp)
     n = len(sequences)
     capacity = data.draw(st.integers(int(lengths.max()), trie_nodes(sequences) + 1))
-    found = contiguous_exact(model, capacity, range(1, n + 1))
+    found = search(model, capacity, range(1, n + 1))
     for k in range(1, n + 1):
-        expected = brute_force_contiguous(sequences, capacity, k)
+        expected = brute_force_contiguous(sequences, capacity, k, score)
         if expected is None:
             assert k not in found, f"k={k} has no feasible contiguous partition"
             continue
@@ -123,7 +126,7 @@ def test_exact_contiguous_search_equals_brute_force(sequences, data):
         assert len(groups) == k and all(groups)
         costs = [trie_nodes([sequences[i] for i in g]) for g in groups]
         assert max(costs) <= capacity
-        assert sum(costs) == expected, f"k={k}"
+        assert score(costs) == expected, f"k={k}"
 
 
 @SETTINGS
@@ -235,10 +238,64 @@ def test_winner_has_the_least_j_init_among_contiguous_candidates(sequences, data
     natural = natural_partition(model, capacity)
     counts = candidate_counts(model, capacity, dp, L1Options(), len(natural))
     assume(counts)
-    partition = partition_microbatches(lengths, lcp, capacity=capacity, dp=dp)
+    partition = partition_microbatches(lengths, lcp, capacity=capacity, dp=dp,
+                                       options=L1Options(objective="compression"))
     for k, starts in contiguous_exact(model, capacity, counts).items():
         work = model.contiguous_cost(starts, np.append(starts[1:] - 1, len(sequences) - 1))
         assert partition.j_init <= initial_assignment(work, dp)[2], f"k={k}"
+
+
+def critical_path_first(j_init):
+    total, critical_path, busiest = j_init
+    return critical_path, total, busiest
+
+
+@settings(max_examples=30, deadline=None)
+@given(token_batches(min_n=2), st.data())
+def test_step_time_winner_has_the_shortest_critical_path_among_contiguous_candidates(sequences, data):
+    """Least (critical path, total, busiest replica) over the exact and min-max candidates of every
+    Eq. A.4 count; and against the paper's objective on the same input, never a longer critical path
+    and never less total work."""
+    lengths, lcp = lengths_and_lcp(sequences)
+    model = PrefixCostModel.build(lengths, lcp)
+    n = len(sequences)
+    capacity = data.draw(st.integers(int(lengths.max()), trie_nodes(sequences) + 1))
+    dp = data.draw(st.integers(1, n))
+    counts = candidate_counts(model, capacity, dp, L1Options(), len(natural_partition(model, capacity)))
+    assume(counts)
+    partition = partition_microbatches(lengths, lcp, capacity=capacity, dp=dp)
+    for search in (contiguous_exact, contiguous_min_max):
+        for k, starts in search(model, capacity, counts).items():
+            work = model.contiguous_cost(starts, np.append(starts[1:] - 1, n - 1))
+            assert critical_path_first(partition.j_init) <= critical_path_first(initial_assignment(work, dp)[2]), \
+                f"{search.__name__} k={k}"
+    paper = partition_microbatches(lengths, lcp, capacity=capacity, dp=dp, options=L1Options(objective="compression"))
+    assert partition.j_init[1] <= paper.j_init[1] and partition.j_init[0] >= paper.j_init[0]
+
+
+def comb(trunk: int, branch_lengths) -> list[list[int]]:
+    """One rollout's trunk of distinct tokens and one branch per entry of `branch_lengths` forking off its end."""
+    shared = list(range(trunk))
+    return sorted(shared + [trunk + b] * length for b, length in enumerate(branch_lengths))
+
+
+def test_one_prefix_spanning_the_step_is_spread_over_the_replicas():
+    """The case the step-time objective exists for. Every microbatch holds the trunk, so with K >= D
+    microbatches the critical path is at least the mean replica's work, >= trunk + branches / D. The
+    paper's candidates keep the step in one microbatch beside D - 1 singletons: here every 8-way
+    partition has the same total (8 trunks + the branches), and the least-total search breaks ties
+    toward one, never reaching the balanced ones the min-max search adds."""
+    rng = np.random.default_rng(0)
+    branches = rng.integers(20, 60, size=400)
+    trunk, dp = 2_000, 8
+    lengths, lcp = lengths_and_lcp(comb(trunk, branches))
+    bound = trunk + branches.sum() / dp
+    step_time = partition_microbatches(lengths, lcp, capacity=65536, dp=dp)
+    paper = partition_microbatches(lengths, lcp, capacity=65536, dp=dp, options=L1Options(objective="compression"))
+    assert step_time.j_init[1] <= bound + branches.max(), (step_time.j_init, bound)
+    assert paper.j_init[1] >= 3 * bound and sorted(len(m) for m in paper.members)[:dp - 1] == [1] * (dp - 1)
+    assert paper.j_init[0] == step_time.j_init[0] == dp * trunk + branches.sum()
+    assert step_time.candidate.startswith("contiguous-min-max")
 
 
 def test_sample_counts_keeps_endpoints_and_dense_low_counts():
@@ -359,6 +416,8 @@ def test_bad_arguments_are_value_errors():
         partition_microbatches(lengths, lcp, capacity=10, dp=0)
     with pytest.raises(ValueError, match="L1Options"):
         partition_microbatches(lengths, lcp, capacity=10, dp=1, options=L1Options(max_sampled_counts=0))
+    with pytest.raises(ValueError, match="unknown L1 objective 'fast': use one of step-time, compression"):
+        partition_microbatches(lengths, lcp, capacity=10, dp=1, options=L1Options(objective="fast"))
 
 
 # --------------------------------------------------------------------------- verify_partition catches each break

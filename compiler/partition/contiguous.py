@@ -1,9 +1,9 @@
 """L1's contiguous candidates: the sorted order cut into k consecutive microbatches.
 
 The exact search (Equation A.3 as we read it: a DP over cut points, one
-sliding-window minimum per row) and the scalable search that splits or merges
-from the natural partition P_0; `partition_microbatches`' module docstring
-gives the choices.
+sliding-window minimum per row), the scalable search that splits or merges
+from the natural partition P_0, and the min-max partitions the step-time
+objective adds; `partition_microbatches`' module docstring gives the choices.
 """
 from __future__ import annotations
 
@@ -179,3 +179,47 @@ def sample_counts(counts: list[int], budget: int) -> list[int]:
         picks = np.unique(np.linspace(0, len(rest) - 1, num=sparse).round().astype(np.int64))
         chosen |= {rest[i] for i in picks}
     return sorted(chosen)
+
+
+def contiguous_min_max(model: PrefixCostModel, capacity: int, counts) -> dict[int, np.ndarray]:
+    """For each k in `counts`: a contiguous k-partition whose heaviest group is as light as possible.
+
+    The fewest groups P_0 reaches under a bound B never grows as B grows, so the
+    least bound B*(k) with |P_0(B)| <= k is found by bisection over
+    [longest trajectory, capacity]; P_0(B*) is then split (least-lcp cuts, so
+    no group grows) up to exactly k. No contiguous k-partition has a lighter
+    heaviest group than B*(k): P_0(B) would otherwise reach k groups below it.
+    Returns {k: group starts} for the feasible k only.
+    """
+    n = model.num_trajectories
+    counts = sorted({int(k) for k in counts if 1 <= k <= n})
+    if not counts or not n:
+        return {}
+    longest = int(model.lengths.max())
+    if longest > capacity:
+        return {}
+    group_count: dict[int, int] = {}
+
+    def groups_under(bound: int) -> int:
+        if bound not in group_count:
+            group_count[bound] = len(natural_partition(model, bound))
+        return group_count[bound]
+
+    counts_under: dict[int, list[int]] = {}   # B*(k) -> the counts k it is least for
+    upper = capacity   # B*(k) never grows with k: each count's bound caps the next one's search
+    for k in counts:
+        if groups_under(upper) > k:
+            continue
+        lo, hi = longest, upper   # invariant: groups_under(hi) <= k
+        while lo < hi:
+            middle = (lo + hi) // 2
+            if groups_under(middle) <= k:
+                hi = middle
+            else:
+                lo = middle + 1
+        upper = hi
+        counts_under.setdefault(hi, []).append(k)
+    result: dict[int, np.ndarray] = {}
+    for bound, ks in counts_under.items():   # counts sharing a bound share one split walk
+        result.update(contiguous_evolve(model, bound, natural_partition(model, bound), ks))
+    return result

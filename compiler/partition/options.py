@@ -3,10 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# How L1 ranks its candidates (`L1Options.objective`); hartsc's --l1-objective.
+L1_OBJECTIVES = ("step-time", "compression")
+
 
 @dataclass(frozen=True, slots=True)
 class L1Options:
-    """Search knobs of L1; defaults reproduce the paper where it gives numbers."""
+    """Search knobs of L1; defaults reproduce the paper where it gives numbers. The default
+    `objective` departs from the paper's Equation 1: `partition_microbatches` says why."""
 
     # Run the exact contiguous DP when N x K_hi <= this (K_hi: largest candidate
     # count; the DP fills every row up to it). 2M cells is ~60 ms and 16 MB of
@@ -23,3 +27,7 @@ class L1Options:
     # microbatch of eight plans (~0.5 us a cell here), so 2e8 cells is ~100 s. Reached only when the capacity
     # holds a few trajectories each and there are tens of thousands of them.
     greedy_max_cells: int = 200_000_000
+    # "step-time": least sum over slots of the heaviest microbatch first (the step's critical path in compact
+    # rows), then the paper's order; the least-heaviest-group contiguous partitions join the candidates.
+    # "compression": the paper's Equation 1 (least total work first) over the paper's candidates only.
+    objective: str = "step-time"
