@@ -119,7 +119,7 @@ class CompileResult:
         secs = self.pass_seconds
         return [
             f"build-trie: {len(self.trie.order)} trajectories, {int(self.trie.lengths.sum())} tokens, "
-            f"{self.trie.unique_tokens} unique trie tokens, {self.trie.layout.num_segments} segments "
+            f"{self.trie.unique_tokens} unique trie tokens, {self.trie.num_segments} segments "
             f"({secs.get('build-trie', 0):.3f}s)",
             f"partition-microbatches: {self.partition.candidate}; {len(mb)} microbatches, "
             f"J_init={self.partition.j_init} ({secs.get('partition-microbatches', 0):.3f}s)",

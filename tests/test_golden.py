@@ -30,7 +30,8 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_pass_output_matches_golden(name):
     source, options = CASES[name]
-    text = format_compile_result(compile_batch(read_trees(GOLDEN / source), options))
+    batch = read_trees(GOLDEN / source)
+    text = format_compile_result(compile_batch(batch, options), batch)
     expected = GOLDEN / f"{name}.txt"
     if os.environ.get("HARTS_UPDATE_GOLDEN") == "1":
         expected.write_text(text)

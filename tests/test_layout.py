@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from harts.compiler.ir.layout import verify_layout
 from harts.schema.runs import expand_runs
 from harts.compiler.ir.trajectories import TrajectoryBatch
-from harts.compiler.passes.build_trie import build_trie, verify_trie
+from harts.compiler.passes.build_trie import build_trie, global_layout, verify_trie
 
 
 def brute_force_rows(token_lists) -> int:
@@ -28,8 +28,9 @@ def test_every_position_maps_to_exactly_one_row_with_its_token_and_depth(lists):
     batch = TrajectoryBatch.from_token_lists(lists)
     trie = build_trie(batch)
     verify_trie(trie, batch)   # includes verify_layout against the source tokens
-    layout = trie.layout
-    assert layout.num_rows == brute_force_rows(lists)
+    layout = global_layout(trie, batch)
+    assert layout.num_rows == brute_force_rows(lists) == trie.unique_tokens
+    assert trie.num_segments == layout.num_segments, "counted from lengths and LCPs alone"
     assert int(layout.row_multiplicity.sum()) == sum(len(t) for t in lists)
     # Two positions share a row exactly when their prefixes are identical.
     row_of_prefix = {}
@@ -52,7 +53,7 @@ def test_golden_small_forest():
     lists = [[1, 2, 3, 4], [1, 2], [1, 2, 3, 4], [1, 2, 5, 6, 7], [9, 9], [1, 2, 3, 4, 8]]
     batch = TrajectoryBatch.from_token_lists(lists)
     trie = build_trie(batch)
-    L = trie.layout
+    L = global_layout(trie, batch)
     assert trie.order.tolist() == [1, 0, 2, 5, 3, 4]
     assert trie.lcp.tolist() == [0, 2, 4, 4, 2, 0]
     assert L.row_token.tolist() == [1, 2, 3, 4, 8, 5, 6, 7, 9, 9]

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from harts.compiler.ir.trajectories import TrajectoryBatch
-from harts.compiler.passes.build_trie import build_trie
+from harts.compiler.passes.build_trie import build_trie, global_layout
 from harts.executor.ops.ancestor_attention import AttentionViews, ancestor_attention, naive_ancestor_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
@@ -68,7 +68,8 @@ def plan_arrays(token_lists, row_order: str = "creation", seed: int = 0) -> dict
     "depth_major": rows sorted by (depth, random key), a valid order (parents
     first) in which every path breaks into many runs and siblings interleave.
     """
-    layout = build_trie(TrajectoryBatch.from_token_lists(token_lists)).layout
+    batch = TrajectoryBatch.from_token_lists(token_lists)
+    layout = global_layout(build_trie(batch), batch)
     parent = layout.row_parent.astype(np.int64)
     position = layout.row_depth.astype(np.int64)
     paths = [layout.member_rows(i) for i in range(len(layout.trajectories))]

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from harts.compiler.ir.trajectories import TrajectoryBatch
-from harts.compiler.passes.build_trie import build_trie
+from harts.compiler.passes.build_trie import build_trie, global_layout
 from harts.executor.ops.short_conv import conv_context, naive_short_conv, short_conv
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
@@ -32,7 +32,8 @@ MEMBER_KEYS = ("member_own_start", "member_run_offsets", "run_row_start", "run_l
 
 def tree_arrays(token_lists, row_order: str = "creation", seed: int = 0) -> dict:
     """row_parent and member runs of one tree; "depth_major" sorts rows by (depth, random) so siblings interleave."""
-    layout = build_trie(TrajectoryBatch.from_token_lists(token_lists)).layout
+    batch = TrajectoryBatch.from_token_lists(token_lists)
+    layout = global_layout(build_trie(batch), batch)
     parent = layout.row_parent.astype(np.int64)
     paths = [layout.member_rows(i) for i in range(len(layout.trajectories))]
     if row_order == "depth_major":

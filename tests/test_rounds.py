@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from harts.compiler.ir.layout import CompactLayout
 from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.passes.assign_rounds import assign_rounds, verify_rounds
-from harts.compiler.passes.build_trie import build_trie, verify_trie
+from harts.compiler.passes.build_trie import build_trie, global_layout, verify_trie
 from harts.compiler.passes.plan_replay import plan_replay
 
 
@@ -26,7 +26,7 @@ def layout_of(token_lists) -> CompactLayout:
     batch = TrajectoryBatch.from_token_lists(token_lists)
     trie = build_trie(batch)
     verify_trie(trie, batch)
-    return trie.layout
+    return global_layout(trie, batch)
 
 
 def brute_force_rounds(layout: CompactLayout, chunk_size: int) -> int:

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import numpy as np
 
+from harts.compiler.passes.build_trie import global_layout
+
 
 def _list(values) -> str:
     return str(np.asarray(values).tolist()).replace(" ", "")
 
 
-def format_compile_result(result) -> str:
-    """Every pass of a `CompileResult`, in pipeline order."""
+def format_compile_result(result, batch) -> str:
+    """Every pass of a `CompileResult` compiled from `batch`, in pipeline order (the whole-step trie layout
+    is rebuilt from the batch: the pipeline only counts it)."""
     lines = []
     trie = result.trie
-    layout = trie.layout
+    layout = global_layout(trie, batch)
     lines.append(f"== build-trie: {len(trie.order)} trajectories, {trie.unique_tokens} unique tokens")
     lines.append(f"order={_list(trie.order)} lcp={_list(trie.lcp)} lengths={_list(trie.lengths)}")
     lines += _layout_lines(layout)
