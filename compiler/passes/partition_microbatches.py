@@ -67,8 +67,8 @@ Equations A.3 and A.4; the choices filling the gaps are:
   candidate joins even when its count is outside A.4 (as the paper says).
   Each insertion scans every microbatch of eight plans, so greedy is left out
   when N x (its microbatch estimate) exceeds `greedy_max_cells` and a
-  contiguous candidate exists (tens of thousands of trajectories, a few per
-  microbatch: minutes of greedy for the plans contiguous search gives).
+  contiguous candidate exists (thousands of trajectories over hundreds of
+  microbatches: seconds of greedy, where contiguous search's plans win).
 * Ties: placement picks the lowest microbatch index; candidates tying on
   the objective keep the earlier one (contiguous counts ascending, then the
   min-max contiguous ones, then greedy).
