@@ -78,6 +78,10 @@ class _Consumers:
         self.full = np.zeros(count, dtype=np.int64)
         self.load = np.zeros(count, dtype=np.int64)
         self.owner = np.full(model.num_trajectories, -1, dtype=np.int64)   # consumer of each position
+        # Every (consumer, member) as consumer * (N + 1) + position, sorted: one searchsorted finds each
+        # consumer's members either side of a position (per-consumer bisects cost ~1 us each, and a
+        # unit of a step-wide prompt asks every consumer of the cell).
+        self.keys = np.empty(0, dtype=np.int64)
 
     def growth(self, positions: np.ndarray, run_cost: int, which=None) -> np.ndarray:
         """Exact C increase of adding a run (consecutive in its cell, so no member lies inside it)
@@ -107,12 +111,13 @@ class _Consumers:
         model = self.model
         n = model.num_trajectories
         first, last = int(positions[0]), int(positions[-1])
-        below = np.empty(len(chosen), dtype=np.int64)
-        above = np.empty(len(chosen), dtype=np.int64)
-        for k, members in enumerate(self.members[c] for c in chosen):
-            at = bisect.bisect_left(members, first)
-            below[k] = members[at - 1] if at > 0 else -1
-            above[k] = members[at] if at < len(members) else n
+        base = np.asarray(chosen, dtype=np.int64) * (n + 1)
+        keys = self.keys
+        at = np.searchsorted(keys, base + first)
+        previous = keys[np.maximum(at - 1, 0)] if len(keys) else base
+        following = keys[np.minimum(at, len(keys) - 1)] if len(keys) else base
+        below = np.where((at > 0) & (previous >= base), previous - base, -1)
+        above = np.where((at < len(keys)) & (following < base + n + 1), following - base, n)
         # One range-minimum query for the three LCPs of every consumer (left, right, joined):
         # this runs once per unit and consumer, and numpy's per-call cost dominates small arrays.
         count = len(below)
@@ -124,9 +129,18 @@ class _Consumers:
         members = self.members[k]
         at = bisect.bisect_left(members, int(positions[0]))
         members[at:at] = positions.tolist()
+        self._insert_keys(k, positions)
         self.full[k] += growth
         self.load[k] += own
         self.owner[positions] = k
+
+    def _insert_keys(self, k: int, positions) -> None:
+        new = k * (self.model.num_trajectories + 1) + np.asarray(positions, dtype=np.int64)
+        self.keys = np.insert(self.keys, np.searchsorted(self.keys, new), new)
+
+    def _remove_keys(self, k: int, positions) -> None:
+        gone = k * (self.model.num_trajectories + 1) + np.asarray(positions, dtype=np.int64)
+        self.keys = self.keys[~np.isin(self.keys, gone)]
 
     def fill_empty(self) -> bool:
         """Give each empty consumer the first position of the consumer with the most members; False when
@@ -142,6 +156,8 @@ class _Consumers:
             position = self.members[donor].pop(0)
             self.members[k] = [position]
             self.owner[position] = k
+            self._remove_keys(donor, [position])
+            self._insert_keys(k, [position])
             for c in (donor, k):
                 self.full[c] = self.model.cost(np.asarray(self.members[c], dtype=np.int64))
         return True
@@ -150,6 +166,7 @@ class _Consumers:
         """Take a unit's positions out of consumer k (its complete layout is recounted)."""
         remaining = sorted(set(self.members[k]) - set(positions.tolist()))
         self.members[k] = remaining
+        self._remove_keys(k, positions)
         self.full[k] = self.model.cost(np.asarray(remaining, dtype=np.int64))
         self.load[k] -= own
         self.owner[positions] = -1
