@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from harts.compiler.passes.partition_microbatches import (
     GREEDY_ORDERS, L1Options, align_by_singleton_splits, candidate_counts, contiguous_evolve,
-    contiguous_exact, contiguous_min_max, dense_lcp_table, eliminate_small_groups, greedy_candidates, greedy_fill, greedy_orders,
-    initial_assignment, natural_partition, partition_microbatches, sample_counts, verify_partition)
+    contiguous_exact, contiguous_min_max, dense_lcp_table, eliminate_small_groups, greedy_candidates, greedy_fill,
+    greedy_orders, initial_assignment, natural_partition, partition_microbatches, sample_counts, verify_partition)
 from harts.compiler.prefix_cost import PrefixCostModel
 from harts.schema.errors import PassFailedError, VerificationError
 

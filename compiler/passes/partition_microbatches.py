@@ -87,8 +87,8 @@ import numpy as np
 from harts.compiler.ir.partition import L1Partition
 from harts.compiler.partition.assignment import candidate_counts, check_step_fits, initial_assignment
 from harts.compiler.partition.candidate import Candidate, starts_to_candidate
-from harts.compiler.partition.contiguous import (contiguous_evolve, contiguous_exact, contiguous_min_max, exact_search_fits_int64,
-                                                 natural_partition, sample_counts)
+from harts.compiler.partition.contiguous import (contiguous_evolve, contiguous_exact, contiguous_min_max,
+                                                 exact_search_fits_int64, natural_partition, sample_counts)
 from harts.compiler.partition.greedy import (GREEDY_ORDERS, align_by_singleton_splits, dense_lcp_table,
                                              eliminate_small_groups, greedy_candidates, greedy_fill,
                                              greedy_microbatch_estimate, greedy_orders)
@@ -98,10 +98,11 @@ from harts.compiler.prefix_cost import PrefixCostModel
 from harts.schema.errors import PassFailedError
 
 # The pieces live in `harts.compiler.partition`; these names stay importable from the pass.
-__all__ = ["PASS_NAME", "GREEDY_ORDERS", "L1_OBJECTIVES", "L1Options", "L1Partition", "partition_microbatches", "verify_partition",
-           "align_by_singleton_splits", "candidate_counts", "check_step_fits", "contiguous_evolve", "contiguous_exact", "contiguous_min_max",
-           "dense_lcp_table", "eliminate_small_groups", "greedy_candidates", "greedy_fill", "greedy_orders",
-           "initial_assignment", "natural_partition", "sample_counts"]
+__all__ = ["PASS_NAME", "GREEDY_ORDERS", "L1_OBJECTIVES", "L1Options", "L1Partition", "partition_microbatches",
+           "verify_partition", "align_by_singleton_splits", "candidate_counts", "check_step_fits",
+           "contiguous_evolve", "contiguous_exact", "contiguous_min_max", "dense_lcp_table",
+           "eliminate_small_groups", "greedy_candidates", "greedy_fill", "greedy_orders", "initial_assignment",
+           "natural_partition", "sample_counts"]
 
 PASS_NAME = "partition_microbatches"
 
