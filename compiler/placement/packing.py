@@ -194,7 +194,6 @@ def _pack_units_once(model, units, count: int, capacity: int, rule: str) -> list
     ("balance"), least load plus duplicated prefix rows ("blend"), or least growth then load ("shared")."""
     consumers = _Consumers(model, count)
     placed: list[list[tuple]] = [[] for _ in range(count)]
-    index = np.arange(count)
     for unit in units:
         own, positions, cost = unit
         growth = consumers.growth(positions, cost)
@@ -204,16 +203,27 @@ def _pack_units_once(model, units, count: int, capacity: int, rule: str) -> list
         if own == 0 or rule == "shared":
             # A unit no residual row comes with (a duplicate or prefix of another unit's
             # trajectory) costs only capacity: put it where it grows the layout least.
-            order = np.lexsort((index, consumers.load, growth))
+            k = _least_fitting(fits, growth, consumers.load)
         elif rule == "balance":
-            order = np.lexsort((index, growth, consumers.load))
+            k = _least_fitting(fits, consumers.load, growth)
         else:
-            order = np.lexsort((index, growth, consumers.load + growth - own))
-        k = int(order[np.argmax(fits[order])])
+            k = _least_fitting(fits, consumers.load + growth - own, growth)
         consumers.add(k, positions, int(growth[k]), own)
         placed[k].append(unit)
     _level(consumers, placed, capacity)
     return consumers.members if consumers.fill_empty() else None
+
+
+def _least_fitting(fits: np.ndarray, primary: np.ndarray, secondary: np.ndarray) -> int:
+    """The fitting consumer least in (primary, secondary, index): two masked minima, not a sort per unit
+    (a cell of 10,000 consumers sorted for each of 20,000 units took most of L2's 32 s)."""
+    chosen = np.flatnonzero(fits)
+    first = primary[chosen]
+    chosen = chosen[first == first.min()]
+    if len(chosen) > 1:
+        second = secondary[chosen]
+        chosen = chosen[second == second.min()]
+    return int(chosen[0])
 
 
 def _level(consumers: _Consumers, placed: list[list[tuple]], capacity: int) -> None:
