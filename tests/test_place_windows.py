@@ -671,6 +671,29 @@ def test_packing_growth_reads_only_consumers_in_the_runs_tree(seed):
         want = [model.cost(sorted(members + run.tolist())) - model.cost(members) for members in consumers.members]
         assert consumers.growth(run, model.cost(run)).tolist() == want, (start, stop)
         assert consumers.growth(run, model.cost(run), [3, 0]).tolist() == [want[3], want[0]]
+    # Members taken out (and a consumer emptied, then refilled by fill_empty) are gone from every query.
+    for k in range(0, count, 3):
+        gone = np.asarray(consumers.members[k][::2], dtype=np.int64)
+        consumers.remove(k, gone, 0)
+    consumers.remove(1, np.asarray(consumers.members[1], dtype=np.int64), 0)
+    assert consumers.fill_empty() and consumers.members[1]
+    placed = np.zeros(n, dtype=bool)
+    placed[[x for members in consumers.members for x in members]] = True
+    for x in np.flatnonzero(~placed).tolist():
+        want = [model.cost(sorted(members + [x])) - model.cost(members) for members in consumers.members]
+        assert consumers.growth(np.array([x]), len(lists[x])).tolist() == want, x
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.integers(0, 3)), min_size=1, max_size=30))
+def test_least_fitting_consumer_is_the_first_fitting_in_sorted_order(rows):
+    """Packing's choice against its definition: sort every consumer by (primary, secondary, index) and take
+    the first that fits."""
+    from harts.compiler.placement.packing import _least_fitting
+    fits, primary, secondary = (np.array(column) for column in zip(*rows))
+    if not fits.any():
+        return
+    order = np.lexsort((np.arange(len(rows)), secondary, primary))
+    assert _least_fitting(fits, primary, secondary) == int(order[np.argmax(fits[order])])
 
 
 def branching_consumers(seed: int, branches: int = 5, per_branch: int = 3):
