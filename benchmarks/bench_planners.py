@@ -178,6 +178,17 @@ def combine(steps: list[dict]) -> dict:
     }
 
 
+def parse_dps(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    """--dp's comma-separated degrees, or the parser's one-line error."""
+    try:
+        dps = [int(d) for d in text.split(",")]
+    except ValueError:
+        dps = []
+    if not dps or min(dps) < 1:
+        parser.error(f"--dp: give comma-separated integers >= 1, e.g. 2,4,8, got {text!r}")
+    return dps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", default="stepwise,treestep", help="comma-separated gen kinds (default both)")
@@ -204,12 +215,7 @@ def main() -> None:
     unknown = [k for k in kinds if k not in gen.KINDS]
     if unknown:
         parser.error(f"--kinds: unknown kind {unknown[0]!r}; choose from {','.join(gen.KINDS)}")
-    try:
-        dps = [int(d) for d in args.dp.split(",")]
-    except ValueError:
-        dps = []
-    if not dps or min(dps) < 1:
-        parser.error(f"--dp: give comma-separated integers >= 1, e.g. 2,4,8, got {args.dp!r}")
+    dps = parse_dps(parser, args.dp)
 
     header = (f"{'workload':<9} {'D':>2} {'planner':<7} {'compr':>7} {'decoder':>10} {'vs L1':>7} {'balance':>8} "
               f"{'cost bal':>8} {'P5':>7} {'cost P5':>7} {'step-tot':>8} {'slots':>5} {'win':>4} {'plan s':>7}")

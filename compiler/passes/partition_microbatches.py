@@ -29,6 +29,7 @@ under 0.2 in P5 (`bench_planners --dp 8 --steps 10 --l1-objective ...`);
 single steps can differ more either way (tree-step seed 0: a 1.7% longer
 critical path in L2's cost model, as L1 ranks rows, not that model).
 `objective="compression"` is the paper's rule over the paper's candidates.
+`benchmarks/bench_l1_objective.py` compares the two end to end.
 
 Invariant afterwards (checked by `verify_partition`): every trajectory lies in
 exactly one non-empty microbatch; every microbatch's C(M) <= T; the number of

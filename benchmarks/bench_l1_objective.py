@@ -1,0 +1,106 @@
+"""Compare L1's two objectives end to end: the step's critical path after L1+L2 under each.
+
+Usage:
+    python benchmarks/bench_l1_objective.py [--dp 2,4,8] [--paper-steps N] [--capacity 65536]
+
+`hartsc --l1-objective compression` ranks L1's partitions as the paper's
+Equation 1 does (least total compact work first); `step-time` (the default)
+ranks the critical path first: the sum over slots of the heaviest
+microbatch, since replicas run a slot together. For each workload and DP
+degree D this compiles the step both ways with sharing windows (hartsc's
+default levels) and prints, per objective, the plan's critical path in rows
+and in L2's cost model (the paper's Phi: slot maxima plus window-producer
+maxima), its cost balance (eta_sched) and its decoder rows, then the change
+step-time makes. A lower bound on the critical path in rows is printed too:
+the longest trajectory (it runs whole on one replica) and the step's unique
+trie rows over D (each runs on some replica), whichever is larger.
+
+Workloads (built in memory, deterministic):
+
+* `comb`: one 8,000-token rollout with 1,999 branches of 1-30 tokens leaving
+  it at random depths: one prefix spans the step, the case compression-first
+  planning leaves D - 1 replicas nearly idle on;
+* `stepwise-small`, `treestep-small`: `harts gen`'s default steps (57 and
+  ~50 trajectories), a single slot at these D;
+* `stepwise-paper-S`, `treestep-paper-S` for S < `--paper-steps`: the paper
+  preset (~1,600 trajectories, ~44M tokens), seed S; many full slots.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import numpy as np
+
+from bench_planners import parse_dps
+from harts.compiler.ir.trajectories import TrajectoryBatch
+from harts.compiler.pipeline import CompileOptions, compile_batch
+from harts.schema.summary import balance, cost_work, critical_path, decoder_rows, work_grids
+from harts.tools import gen
+
+OBJECTIVES = ("compression", "step-time")
+
+
+def comb(branches: int = 1999, spine: int = 8000, seed: int = 0) -> TrajectoryBatch:
+    rng = np.random.default_rng(seed)
+    full = rng.integers(1, 50000, size=spine)
+    lists = [full.tolist()]
+    for _ in range(branches):
+        depth = int(rng.integers(2, spine))
+        lists.append(full[:depth].tolist() + rng.integers(50000, 60000, size=int(rng.integers(1, 31))).tolist())
+    return TrajectoryBatch.from_token_lists(lists)
+
+
+def generated(preset: str, kind: str, seed: int = 0) -> TrajectoryBatch:
+    records = list(gen.generate(dataclasses.replace(gen.preset(preset, kind), seed=seed)))
+    return TrajectoryBatch.from_token_lists([r["tokens"] for r in records], ids=[r["id"] for r in records])
+
+
+def measure(batch: TrajectoryBatch, dp: int, capacity: int, objective: str) -> dict:
+    result = compile_batch(batch, CompileOptions(dp=dp, capacity=capacity, l1_objective=objective))
+    plan = result.plan
+    rows, producer_rows = work_grids(plan)[:2]
+    cost, producer_cost = cost_work(plan)
+    decoder = sum(decoder_rows(mb) for mb in plan.microbatches)
+    decoder += sum(len(p["row_token"]) for p in plan.producers or ())
+    return {"rows": int(critical_path(rows, producer_rows)), "cost": int(critical_path(cost, producer_cost)),
+            "balance": balance(cost, producer_cost), "decoder": decoder, "unique": result.trie.unique_tokens,
+            "longest": int(result.trie.lengths.max())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dp", default="2,4,8", help="comma-separated DP degrees (default 2,4,8)")
+    parser.add_argument("--paper-steps", type=int, default=1,
+                        help="paper-preset steps of each kind (seeds 0..N-1; default 1, 0 for none)")
+    parser.add_argument("--capacity", type=int, default=65536, help="microbatch capacity T (default 65536)")
+    args = parser.parse_args()
+    dps = parse_dps(parser, args.dp)
+    if args.paper_steps < 0:
+        parser.error(f"--paper-steps must be >= 0, got {args.paper_steps}")
+
+    workloads = {"comb": comb, "stepwise-small": lambda: generated("small", "stepwise"),
+                 "treestep-small": lambda: generated("small", "treestep")}
+    for seed in range(args.paper_steps):
+        for kind in ("stepwise", "treestep"):
+            workloads[f"{kind}-paper-{seed}"] = lambda kind=kind, seed=seed: generated("paper", kind, seed)
+
+    header = (f"{'workload':<18} {'D':>2} {'rows bound':>10} | {'compression: rows':>17} {'cost':>15} {'bal':>6} "
+              f"{'decoder':>10} | {'step-time: rows':>15} {'cost':>15} {'bal':>6} {'decoder':>10} | "
+              f"{'rows':>7} {'cost':>7}")
+    print(header)
+    print("-" * len(header))
+    for name, build in workloads.items():
+        batch = build()
+        for dp in dps:
+            runs = {objective: measure(batch, dp, args.capacity, objective) for objective in OBJECTIVES}
+            paper, ours = runs["compression"], runs["step-time"]
+            bound = max(ours["longest"], -(-ours["unique"] // dp))
+            print(f"{name:<18} {dp:>2} {bound:>10,} | {paper['rows']:>17,} {paper['cost']:>15,} "
+                  f"{paper['balance']:>6.1%} {paper['decoder']:>10,} | {ours['rows']:>15,} {ours['cost']:>15,} "
+                  f"{ours['balance']:>6.1%} {ours['decoder']:>10,} | {ours['rows'] / paper['rows'] - 1:>+7.1%} "
+                  f"{ours['cost'] / paper['cost'] - 1:>+7.1%}")
+
+
+if __name__ == "__main__":
+    main()
