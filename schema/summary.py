@@ -184,6 +184,10 @@ def plan_statistics(plan: Plan, planning_seconds: float = 0.0, grids: tuple | No
         # Balance in L2's cost model (forward + backward, attention pairs included), what placement levels.
         "cost_balance": balance(*costs),
         "cost_balance_p5": balance_percentile(*costs),
+        # What the planners shorten: the sum over slots of the largest consumer plus over windows of the largest
+        # producer (the step's time when replicas wait for each other there), in rows and in L2's cost model.
+        "critical_path_tokens": int(critical_path(work, producers)),
+        "cost_critical_path": int(critical_path(*costs)),
         # `windows` counts slot groups, even one whose producers cache nothing (no row two of its
         # consumers on one replica share): this counts the (window, replica) producers that compute rows.
         "producers": int(np.count_nonzero(producers)),

@@ -13,6 +13,9 @@ member whose path first reaches the row (its rectangle term).
 """
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -62,14 +65,15 @@ def _percentile_5(values: list[float]) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def _balances(columns: list[list[int]]) -> tuple[float, float, float]:
-    """(eta_sched, P5 of mean/max per column, mean/max of replica totals) of per-replica column loads."""
+def _balances(columns: list[list[int]]) -> tuple[float, float, float, int]:
+    """(eta_sched, P5 of mean/max per column, mean/max of replica totals, sum of column maxima) of per-replica
+    column loads."""
     total = sum(sum(c) for c in columns)
     replicas = len(columns[0])
     peak = sum(max(c) for c in columns)
     ratios = [sum(c) / len(c) / max(c) for c in columns if max(c) > 0]
     totals = [sum(c[d] for c in columns) for d in range(replicas)]
-    return total / (replicas * peak), _percentile_5(ratios), sum(totals) / len(totals) / max(totals)
+    return total / (replicas * peak), _percentile_5(ratios), sum(totals) / len(totals) / max(totals), peak
 
 
 def brute_force_statistics(plan) -> dict:
@@ -87,13 +91,14 @@ def brute_force_statistics(plan) -> dict:
         n, c = _recount(producer, weights, consumer=False)
         rows["window", int(producer["window"])][int(producer["replica"])] += n
         cost["window", int(producer["window"])][int(producer["replica"])] += c
-    balance, p5, step_total = _balances(list(rows.values()))
-    cost_balance, cost_p5, _ = _balances(list(cost.values()))
+    balance, p5, step_total, critical_path = _balances(list(rows.values()))
+    cost_balance, cost_p5, _, cost_critical_path = _balances(list(cost.values()))
     producers = sum(1 for key, per_replica in rows.items() if key[0] == "window" for n in per_replica if n)
     return {"decoder_tokens": sum(sum(c) for c in rows.values()), "slots": slots, "windows": windows,
             "producers": producers,
             "balance": balance, "balance_p5": p5, "step_total_balance": step_total,
-            "cost_balance": cost_balance, "cost_balance_p5": cost_p5}
+            "cost_balance": cost_balance, "cost_balance_p5": cost_p5,
+            "critical_path_tokens": critical_path, "cost_critical_path": cost_critical_path}
 
 
 @pytest.mark.parametrize("kind,dp,capacity,levels", [
@@ -149,3 +154,13 @@ def test_max_rounds_counts_every_decoder_run_the_plan_schedules():
                if "residual_sequence_round" in mb]
     assert max(others) > complete, "the case no longer has a run longer than the complete layouts'"
     assert plan_statistics(plan)["max_rounds"] == max(others)
+
+
+def test_every_statistic_has_a_row_in_the_concepts_table():
+    """docs/concepts.md's `harts stats` table names every key the command prints, in its order, and no other."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "concepts.md").read_text()
+    table = text[text.index("## What `harts stats` prints"):]
+    documented = re.findall(r"^\| `([a-z0-9_]+)` \|", table, flags=re.MULTILINE)
+    batch = TrajectoryBatch.from_token_lists([[1, 2, 3], [1, 2, 4]])
+    printed = plan_statistics(compile_batch(batch, CompileOptions(capacity=64)).plan)
+    assert documented == list(printed)
