@@ -21,7 +21,7 @@ Workloads (built in memory, deterministic):
   it at random depths: one prefix spans the step, the case compression-first
   planning leaves D - 1 replicas nearly idle on;
 * `stepwise-small`, `treestep-small`: `harts gen`'s default steps (57 and
-  ~50 trajectories), a single slot at these D;
+  104 trajectories), a single slot at these D;
 * `stepwise-paper-S`, `treestep-paper-S` for S < `--paper-steps`: the paper
   preset (~1,600 trajectories, ~44M tokens), seed S; many full slots.
 """

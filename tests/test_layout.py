@@ -66,3 +66,12 @@ def test_golden_small_forest():
     assert L.segment_start_depth.tolist() == [0, 2, 2, 0]
     assert L.segment_end_depth.tolist() == [2, 5, 5, 2]
     verify_layout(L, batch.token_offsets, batch.tokens)
+
+
+def test_segment_count_ignores_empty_trajectories():
+    """An empty trajectory adds no trie node, so no root (found by an audit; readers refuse them, the
+    in-memory batch does not)."""
+    for lists in ([[], [1, 2]], [[], [], [1, 2], [1, 3]], [[]]):
+        batch = TrajectoryBatch.from_token_lists(lists)
+        trie = build_trie(batch)
+        assert trie.num_segments == global_layout(trie, batch).num_segments, lists

@@ -60,7 +60,7 @@ def count_segments(lengths: np.ndarray, lcp: np.ndarray) -> int:
             stack.pop()
         run_start[i] = stack[-1] if stack else -1
         stack.append(i)
-    roots = int(np.count_nonzero(lcp == 0))
+    roots = int(np.count_nonzero((lcp == 0) & (lengths > 0)))   # an empty trajectory adds no node
     leavers = np.flatnonzero(lcp > 0)
     if not leavers.size:
         return roots

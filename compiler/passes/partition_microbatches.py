@@ -15,19 +15,22 @@ in compact rows is the middle term, and compression first can leave replicas
 idle: a step whose trajectories all share one long prefix fits one microbatch
 (K = D at D = 8 then splits off seven singletons), and J_init keeps that one
 heavy microbatch beside seven nearly empty ones (one 8,000-token rollout with
-1,999 branches: 38,959 rows on one replica and under 80 on each other,
-critical path 38,959; FFD's is 13,553). L2 cannot repair it: it never runs
+1,999 branches, `bench_l1_objective.comb`: critical path 38,639 rows with
+38,821 compact rows, the other replicas under 50 each; FFD's critical path
+is 13,659). L2 cannot repair it: it never runs
 more decoder rows than L1 chose. So by default (`objective="step-time"`) the
 middle term is compared first, then the total, then the busiest replica, and
 the candidates gain, for each count of Eq. A.4, the contiguous partition
 whose heaviest microbatch is lightest (`contiguous_min_max`; not at D = 1,
 where the critical path is the total work). The same step then has a
-critical path of 9,563 rows, with 76,440 compact rows instead of 39,301. On
+critical path of 9,409 rows, with 75,223 compact rows. On
 ten paper-scale steps at D = 8 (many full slots) the two objectives' L1+L2
 plans, pooled, differ by under 0.1 points in decoder work and balance and
 under 0.2 in P5 (`bench_planners --dp 8 --steps 10 --l1-objective ...`);
-single steps can differ more either way (tree-step seed 0: a 1.7% longer
-critical path in L2's cost model, as L1 ranks rows, not that model).
+single steps can differ either way after L2, though never at L1 (tree-step
+seed 0: a 1.7% longer critical path in L2's cost model; `harts gen --kind
+treestep --tasks 3` at D = 2: 68,734 rows against 64,966, where L2 improves
+the paper's L1 plan more than this one).
 `objective="compression"` is the paper's rule over the paper's candidates.
 `benchmarks/bench_l1_objective.py` compares the two end to end.
 
