@@ -1,7 +1,7 @@
 """Compare L1's two objectives end to end: the step's critical path after L1+L2 under each.
 
 Usage:
-    python benchmarks/bench_l1_objective.py [--dp 2,4,8] [--paper-steps N] [--capacity 65536]
+    python benchmarks/bench_l1_objective.py [--dp 2,4,8] [--paper-steps N] [--capacity 65536] [--sweep]
 
 `hartsc --l1-objective compression` ranks L1's partitions as the paper's
 Equation 1 does (least total compact work first); `step-time` (the default)
@@ -24,11 +24,18 @@ Workloads (built in memory, deterministic):
   104 trajectories), a single slot at these D;
 * `stepwise-paper-S`, `treestep-paper-S` for S < `--paper-steps`: the paper
   preset (~1,600 trajectories, ~44M tokens), seed S; many full slots.
+
+`--sweep` adds one line over many small steps: `harts gen`'s small preset
+with 2, 3, 4, 6 or 8 tasks, seeds 0-2, both kinds, at each D: how many
+step-time plans have a critical path in L2's cost model more than 1% shorter
+or longer than compression's, the geometric mean of the ratio, and the worst
+cases.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -68,12 +75,29 @@ def measure(batch: TrajectoryBatch, dp: int, capacity: int, objective: str) -> d
             "longest": int(result.trie.lengths.max())}
 
 
+def sweep(dps: list[int], capacity: int) -> str:
+    ratios, worst = [], []
+    for kind, tasks, seed in itertools.product(gen.KINDS, (2, 3, 4, 6, 8), (0, 1, 2)):
+        config = dataclasses.replace(gen.preset("small", kind), tasks=tasks, seed=seed)
+        batch = TrajectoryBatch.from_token_lists([r["tokens"] for r in gen.generate(config)])
+        for dp in (d for d in dps if d <= batch.num_trajectories):
+            runs = {objective: measure(batch, dp, capacity, objective) for objective in OBJECTIVES}
+            ratios.append(runs["step-time"]["cost"] / runs["compression"]["cost"])
+            worst.append((ratios[-1], f"{kind} tasks={tasks} seed={seed} D={dp}"))
+    ratios = np.asarray(ratios)
+    longest = ", ".join(f"{name} {ratio - 1:+.1%}" for ratio, name in sorted(worst, reverse=True)[:3])
+    return (f"sweep: {len(ratios)} small steps; step-time's cost critical path >1% shorter in "
+            f"{int((ratios < 0.99).sum())}, >1% longer in {int((ratios > 1.01).sum())}; geometric mean ratio "
+            f"{np.exp(np.log(ratios).mean()):.3f}, best {ratios.min() - 1:+.1%}; longest: {longest}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", default="2,4,8", help="comma-separated DP degrees (default 2,4,8)")
     parser.add_argument("--paper-steps", type=int, default=1,
                         help="paper-preset steps of each kind (seeds 0..N-1; default 1, 0 for none)")
     parser.add_argument("--capacity", type=int, default=65536, help="microbatch capacity T (default 65536)")
+    parser.add_argument("--sweep", action="store_true", help="add the summary over many small generated steps")
     args = parser.parse_args()
     dps = parse_dps(parser, args.dp)
     if args.paper_steps < 0:
@@ -100,6 +124,8 @@ def main() -> None:
                   f"{paper['balance']:>6.1%} {paper['decoder']:>10,} | {ours['rows']:>15,} {ours['cost']:>15,} "
                   f"{ours['balance']:>6.1%} {ours['decoder']:>10,} | {ours['rows'] / paper['rows'] - 1:>+7.1%} "
                   f"{ours['cost'] / paper['cost'] - 1:>+7.1%}")
+    if args.sweep:
+        print(sweep(dps, args.capacity))
 
 
 if __name__ == "__main__":
