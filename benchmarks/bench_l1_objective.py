@@ -39,10 +39,10 @@ import itertools
 
 import numpy as np
 
-from bench_planners import parse_dps
+from bench_planners import build_batch, parse_dps
 from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.pipeline import CompileOptions, compile_batch
-from harts.schema.summary import balance, cost_work, critical_path, decoder_rows, work_grids
+from harts.schema.summary import plan_statistics
 from harts.tools import gen
 
 OBJECTIVES = ("compression", "step-time")
@@ -58,21 +58,12 @@ def comb(branches: int = 1999, spine: int = 8000, seed: int = 0) -> TrajectoryBa
     return TrajectoryBatch.from_token_lists(lists)
 
 
-def generated(preset: str, kind: str, seed: int = 0) -> TrajectoryBatch:
-    records = list(gen.generate(dataclasses.replace(gen.preset(preset, kind), seed=seed)))
-    return TrajectoryBatch.from_token_lists([r["tokens"] for r in records], ids=[r["id"] for r in records])
-
-
 def measure(batch: TrajectoryBatch, dp: int, capacity: int, objective: str) -> dict:
     result = compile_batch(batch, CompileOptions(dp=dp, capacity=capacity, l1_objective=objective))
-    plan = result.plan
-    rows, producer_rows = work_grids(plan)[:2]
-    cost, producer_cost = cost_work(plan)
-    decoder = sum(decoder_rows(mb) for mb in plan.microbatches)
-    decoder += sum(len(p["row_token"]) for p in plan.producers or ())
-    return {"rows": int(critical_path(rows, producer_rows)), "cost": int(critical_path(cost, producer_cost)),
-            "balance": balance(cost, producer_cost), "decoder": decoder, "unique": result.trie.unique_tokens,
-            "longest": int(result.trie.lengths.max())}
+    stats = plan_statistics(result.plan)
+    return {"rows": stats["critical_path_tokens"], "cost": stats["cost_critical_path"],
+            "balance": stats["cost_balance"], "decoder": stats["decoder_tokens"],
+            "unique": stats["trie_unique_tokens"], "longest": int(result.trie.lengths.max())}
 
 
 def sweep(dps: list[int], capacity: int) -> str:
@@ -103,11 +94,11 @@ def main() -> None:
     if args.paper_steps < 0:
         parser.error(f"--paper-steps must be >= 0, got {args.paper_steps}")
 
-    workloads = {"comb": comb, "stepwise-small": lambda: generated("small", "stepwise"),
-                 "treestep-small": lambda: generated("small", "treestep")}
+    workloads = {"comb": comb, "stepwise-small": lambda: build_batch("small", "stepwise"),
+                 "treestep-small": lambda: build_batch("small", "treestep")}
     for seed in range(args.paper_steps):
         for kind in ("stepwise", "treestep"):
-            workloads[f"{kind}-paper-{seed}"] = lambda kind=kind, seed=seed: generated("paper", kind, seed)
+            workloads[f"{kind}-paper-{seed}"] = lambda kind=kind, seed=seed: build_batch("paper", kind, seed=seed)
 
     header = (f"{'workload':<18} {'D':>2} {'rows bound':>10} | {'compression: rows':>17} {'cost':>15} {'bal':>6} "
               f"{'decoder':>10} | {'step-time: rows':>15} {'cost':>15} {'bal':>6} {'decoder':>10} | "

@@ -76,7 +76,7 @@ def count_segments(lengths: np.ndarray, lcp: np.ndarray) -> int:
 def build_trie(batch: TrajectoryBatch) -> TrieIR:
     order = sort_trajectories(batch)
     lcp = neighbour_lcp(batch, order)
-    lengths = np.diff(batch.token_offsets)[order].astype(np.int64)
+    lengths = batch.lengths[order].astype(np.int64)
     return TrieIR(order=order, lcp=lcp, lengths=lengths, num_segments=count_segments(lengths, lcp))
 
 
