@@ -43,7 +43,8 @@ models; 0 makes L2 balance tokens, the unit of the balance columns, and then
 "cost bal" equals "balance").
 
 `--l1-objective` is hartsc's: how L1 (and so L2, which starts from it) ranks
-its partitions; `compression` is the paper's Equation 1.
+its partitions; `compression` is the paper's Equation 1 (paper-scale steps
+are above the size where `step-time` also tries L2 from that partition).
 
 Then, for D = 8, whether the issue's targets hold: L1+L2 decoder work at
 least 25% below L1, balance >= 97%, P5 >= 90%, L1+L2 planning under 1.5 s.

@@ -30,7 +30,10 @@ under 0.2 in P5 (`bench_planners --dp 8 --steps 10 --l1-objective ...`);
 single steps can differ either way after L2, though never at L1 (tree-step
 seed 0: a 1.7% longer critical path in L2's cost model; `harts gen --kind
 treestep --tasks 3` at D = 2: 68,734 rows against 64,966, where L2 improves
-the paper's L1 plan more than this one).
+the paper's L1 plan more than this one). On steps of at most
+`pipeline.SECOND_START_MAX_CONSUMERS` consumers the pipeline therefore also
+runs L2 from the compression winner and keeps the better plan; paper-scale
+steps have 74-104 consumers, where that would cost too much planning time.
 `objective="compression"` is the paper's rule over the paper's candidates.
 `benchmarks/bench_l1_objective.py` compares the two end to end.
 
