@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from harts.schema.errors import PlanFormatError
-from harts.schema.plan import FORMAT, MAGIC, SCHEMA_VERSION, Plan, decode_plan, encode_plan, read_plan, write_plan
+from harts.schema.plan import (FORMAT, MAGIC, SCHEMA_VERSION, Plan, _encode, _packed_pieces, decode_plan, encode_plan,
+                               read_plan, write_plan)
 
 
 def sample_plan() -> Plan:
@@ -114,3 +115,18 @@ def test_written_plan_gets_ordinary_file_permissions(tmp_path):
     finally:
         os.umask(umask)
     assert (tmp_path / "p.plan").stat().st_mode & 0o777 == 0o644
+
+
+def test_the_body_is_packed_in_pieces_that_join_to_one_msgpack_document():
+    # encode_plan packs each microbatch and producer apart; readers unpack the body as one document.
+    plan = sample_plan()
+    body = {"step": plan.step, "microbatches": plan.microbatches * 3, "producers": plan.microbatches,
+            "summary": {"seconds": 1.5}}
+    pieces = _packed_pieces(body)
+    assert len(pieces) > 8
+    assert b"".join(pieces) == msgpack.packb(body, default=_encode, use_bin_type=True)
+    with_producers = Plan(header=plan.header, step=plan.step, microbatches=body["microbatches"],
+                          summary=body["summary"], producers=body["producers"])
+    decoded = decode_plan(encode_plan(with_producers))
+    assert len(decoded.microbatches) == 3 and len(decoded.producers) == 1 and decoded.summary == {"seconds": 1.5}
+    np.testing.assert_array_equal(decoded.producers[0]["row_token"], plan.microbatches[0]["row_token"])
