@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import io
@@ -358,14 +359,16 @@ def main(argv: list[str] | None = None) -> int:
             print("harts run: linear attention runs fla's Triton kernels, which compile and autotune on first use "
                   "(about 4 minutes per dtype on a bare H200; Triton's disk cache serves later runs; "
                   "HARTS_LINEAR_ATTENTION=torch runs our torch op instead)", file=sys.stderr)
-        result = run_step(plan, model, mode=mode, loss=loss, backward=not args.forward_only,
-                          recompute=args.recompute, microbatches=selected, windows=not args.no_windows,
-                          progress=terminal_progress if primary else None, logprobs=args.logprobs,
-                          entropy=args.entropy)
+        with _together(selected is not None, device, "during the step"):
+            result = run_step(plan, model, mode=mode, loss=loss, backward=not args.forward_only,
+                              recompute=args.recompute, microbatches=selected, windows=not args.no_windows,
+                              progress=terminal_progress if primary else None, logprobs=args.logprobs,
+                              entropy=args.entropy)
         if selected is not None:
             distributed.all_reduce_result(result, model)
-        if primary:
-            write_outputs(result, args.logprobs_out, args.grads_out)
+        with _together(selected is not None, device, "writing the outputs"):
+            if primary:
+                write_outputs(result, args.logprobs_out, args.grads_out)
         if selected is not None:
             distributed.finish_data_parallel()
     except HartsError as err:   # input, output and usage errors (UsageError: ppo without old_logprobs, a bad flag)
@@ -373,12 +376,30 @@ def main(argv: list[str] | None = None) -> int:
         # Every rank says why it stopped (one may fail alone: its node lacks the model, its GPU is
         # busy); the other ranks' copies of a refusal they all meet carry their rank, so they read
         # as copies of rank 0's line.
-        print(f"harts run: {err}" if rank == 0 else f"harts run: rank {rank}: {err}", file=sys.stderr)
+        # One write per line: ranks share the terminal, and print's separate newline could split two lines.
+        sys.stderr.write(f"harts run: {err}\n" if rank == 0 else f"harts run: rank {rank}: {err}\n")
+        sys.stderr.flush()
         return err.exit_code
     if not primary:
         return 0
     report(args, mode, plan, result)
     return 0
+
+
+@contextlib.contextmanager
+def _together(distributed_run: bool, device: torch.device, stage: str):
+    """Under torchrun, a failure of one rank in the block stops every rank with one line each
+    (`distributed.raise_if_a_rank_failed`); alone, errors pass through unchanged."""
+    if not distributed_run:
+        yield
+        return
+    from harts.executor import distributed
+    failure = None
+    try:
+        yield
+    except Exception as err:   # any: a custom objective's own error, out of memory
+        failure = err
+    distributed.raise_if_a_rank_failed(failure, device, stage)
 
 
 def model_backend(device: torch.device, plan, model) -> str:

@@ -125,6 +125,30 @@ def all_reduce_result(result, model) -> None:
     result.logprobs = dict(zip(keys, np.split(merged, bounds)))
 
 
+def raise_if_a_rank_failed(own: BaseException | None, device: torch.device, stage: str) -> None:
+    """Every rank says whether `stage` failed on it; then the ranks that failed re-raise their own error and the
+    others raise one line naming them.
+
+    Collectives need every rank: without this, a rank whose custom objective
+    raised (or that ran out of memory) exits while the others wait in the
+    all-reduce, which then fails with a transport traceback (gloo) or hangs
+    until its timeout (nccl). Call it on every rank, after `stage`, with the
+    exception that rank caught (None if it succeeded).
+    """
+    failed = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+    failed[dist.get_rank()] = float(own is not None)
+    dist.all_reduce(failed)
+    ranks = torch.nonzero(failed).flatten().tolist()
+    if ranks:   # every rank is here: tear the group down now (gloo's threads abort an exit that skips it)
+        dist.destroy_process_group()
+    if own is not None:
+        raise own
+    if ranks:
+        names = ", ".join(str(r) for r in ranks)
+        which = f"rank {names}" if len(ranks) == 1 else f"ranks {names}"
+        raise HartsError(f"stopped: {which} failed {stage}, so no output is written; fix: see {which}'s message")
+
+
 def finish_data_parallel() -> None:
     """Wait for every rank, then tear the group down: a rank that exits with gloo's
     threads still alive can abort at interpreter shutdown."""

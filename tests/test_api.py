@@ -200,6 +200,7 @@ def tiny_model():
     ("loss-name", "loss must be a LossConfig here, got str"),
     ("mode-typo", r"mode must be one of .*, got 'compat'; fix: pass one of them"),
     ("logprobs-typo", r"logprobs must be one of .*, got 'los'; fix: pass 'all'"),
+    ("base-model", r"the model has no LM head \(KimiLinearModel: no lm_head layer\).*fix: pass the causal-LM model"),
 ])
 def test_run_arguments_it_cannot_run_are_usage_errors(tiny_model, case, words):
     """Found by a user audit: each gave a raw torch or Python error from inside the step, and repeated
@@ -215,6 +216,8 @@ def test_run_arguments_it_cannot_run_are_usage_errors(tiny_model, case, words):
         model = copy.deepcopy(tiny_model).double()
     elif case == "all-frozen":
         model = copy.deepcopy(tiny_model).requires_grad_(False)
+    elif case == "base-model":
+        model = tiny_model.model
     elif case == "loss-name":
         kwargs["loss"] = "grpo"
     elif case == "mode-typo":

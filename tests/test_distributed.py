@@ -122,3 +122,37 @@ def test_a_refusal_every_rank_meets_reads_as_one_line_and_its_copies(tmp_path):
     assert len(lines) == 2, out.stderr
     assert sum(line.startswith("harts run: rank 1: ") for line in lines) == 1
     assert all("missing.plan: cannot read plan" in line for line in lines)
+
+
+RANK_ONE_FAILS = """
+import os
+
+def objective(logprobs, inputs):
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("boom on rank 1")
+    return -(logprobs * inputs.weight).sum()
+"""
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
+def test_a_rank_failing_alone_stops_every_rank_with_one_line(tmp_path):
+    """A failure during the step on one rank only (its custom objective raises): that rank says why, the other
+    says which rank stopped it, instead of a transport traceback from the all-reduce it was left waiting in."""
+    records = [{"id": i, "tokens": [3, 4, 5, 6 + i, 7, 8], "advantages": 1.0} for i in range(4)]
+    (tmp_path / "trees.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert hartsc([str(tmp_path / "trees.jsonl"), "-o", str(tmp_path / "step.plan"), "--dp", "2"]) == 0
+    assert harts(["init-model", "--vocab-size", "64", "-o", str(tmp_path / "model")]) == 0
+    (tmp_path / "fails.py").write_text(RANK_ONE_FAILS)
+    out = torchrun(2, ["harts", "run", str(tmp_path / "step.plan"), "--model", str(tmp_path / "model"),
+                       "--objective", f"{tmp_path / 'fails.py'}:objective", "--logprobs-out",
+                       str(tmp_path / "lp.npz")], monitor_seconds=5)
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if line.startswith("harts run: ")]
+    assert len(lines) == 2, out.stderr
+    assert any(line.startswith("harts run: rank 1: the custom objective raised RuntimeError: boom on rank 1")
+               for line in lines), out.stderr
+    assert "harts run: stopped: rank 1 failed during the step, so no output is written; fix: see rank 1's message" \
+        in lines, out.stderr
+    assert not any(line.startswith("[rank") for line in out.stderr.splitlines()), out.stderr
+    assert "Connection closed" not in out.stderr and "terminate called" not in out.stderr, out.stderr
+    assert not (tmp_path / "lp.npz").exists()

@@ -476,6 +476,8 @@ def test_backend_selection_falls_back_to_torch_and_refuses_fla_without_cuda(monk
     assert select_backend(cpu, 64) == "torch"
     monkeypatch.setenv("HARTS_LINEAR_ATTENTION", "torch")
     assert select_backend(cpu, 64) == "torch"
+    monkeypatch.setenv("HARTS_LINEAR_ATTENTION", "")   # empty is unset: auto
+    assert select_backend(cpu, 64) == "torch"
     with pytest.raises(ValueError, match="needs CUDA tensors, chunk size 64"):
         select_backend(cpu, 64, "fla")
     with pytest.raises(ValueError, match="must be one of auto, torch, fla"):

@@ -1,6 +1,6 @@
 """Which implementation runs a linear-attention round: our torch op, or fla's kernels on CUDA.
 
-`HARTS_LINEAR_ATTENTION` = `auto` (default: fla when the tensors are on CUDA,
+`HARTS_LINEAR_ATTENTION` = `auto` (the default, also when empty: fla when the tensors are on CUDA,
 fla imports, the round uses fla's chunk size 64 and fla has no known defect for
 the round's gate on this GPU; the torch op otherwise),
 `torch`, or `fla` (an error if it cannot run). Both give the same function
@@ -65,7 +65,8 @@ def select_backend(device: torch.device, chunk_size: int, requested: str | None 
     """"fla" or "torch" for rounds on `device` planned with `chunk_size` (with a scalar gate per head
     when `scalar_gate`); a UsageError (one line with its fix) when HARTS_LINEAR_ATTENTION (or
     `requested`) asks for what cannot run here."""
-    requested = requested or os.environ.get("HARTS_LINEAR_ATTENTION", "auto")
+    # Empty counts as unset (`HARTS_LINEAR_ATTENTION= harts run ...`, or a launcher passing "$UNSET").
+    requested = requested or os.environ.get("HARTS_LINEAR_ATTENTION") or "auto"
     if requested not in BACKENDS:
         raise UsageError(f"HARTS_LINEAR_ATTENTION must be one of {', '.join(BACKENDS)}, got {requested!r}; "
                          "fix: unset it (auto) or set one of those")
