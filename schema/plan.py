@@ -212,26 +212,92 @@ def decode_plan(data: bytes, source: str = "<plan>") -> Plan:
     checks (`validate_plan`) that readers rely on.
     """
     header, body_start = read_header(data, source)
-    frame = zstandard.ZstdDecompressor().decompressobj()
+    stream = _FrameReader(memoryview(data)[body_start:])
+    unpacker = msgpack.Unpacker(stream, raw=False, object_hook=_decode, strict_map_key=False,
+                                read_size=_READ_SIZE, max_buffer_size=0)
+    fix = "fix: recompile the plan with hartsc"
     try:
-        raw = frame.decompress(data[body_start:])
+        body = _unpack_body(unpacker)
+        if body is not None:
+            stream.read()   # to the frame's end: its checksum is verified there
+        extra = stream.produced - unpacker.tell() if body is not None else 0
     except zstandard.ZstdError as err:
-        raise PlanFormatError(f"{source}: plan body is truncated or corrupted ({err}); "
-                              "fix: recompile the plan with hartsc") from None
-    if not frame.eof:
-        raise PlanFormatError(f"{source}: plan body is truncated (its zstd frame does not end); "
-                              "fix: recompile the plan with hartsc")
-    if frame.unused_data:   # the body is one frame: bytes after it are not part of what hartsc wrote
-        raise PlanFormatError(f"{source}: {len(frame.unused_data)} bytes follow the plan body; "
+        raise PlanFormatError(f"{source}: plan body is truncated or corrupted ({err}); {fix}") from None
+    except msgpack.OutOfData:
+        if not stream.eof:
+            raise PlanFormatError(f"{source}: plan body is truncated (its zstd frame does not end); {fix}") from None
+        raise PlanFormatError(f"{source}: plan body is corrupted (it ends inside a value); {fix}") from None
+    except Exception as err:   # msgpack raises several unrelated types
+        raise PlanFormatError(f"{source}: plan body is corrupted ({err}); {fix}") from None
+    if body is None or not {"step", "microbatches"} <= body.keys():
+        raise PlanFormatError(f"{source}: plan body lacks 'step' or 'microbatches'; {fix}")
+    if not stream.eof:
+        raise PlanFormatError(f"{source}: plan body is truncated (its zstd frame does not end); {fix}")
+    if extra:
+        raise PlanFormatError(f"{source}: plan body is corrupted ({extra} bytes follow its value); {fix}")
+    if stream.trailing_bytes:   # the body is one frame: bytes after it are not part of what hartsc wrote
+        raise PlanFormatError(f"{source}: {stream.trailing_bytes} bytes follow the plan body; "
                               "fix: recompile the plan with hartsc, or copy the file again")
-    try:
-        body = msgpack.unpackb(raw, raw=False, object_hook=_decode, strict_map_key=False)
-    except Exception as err:
-        raise PlanFormatError(f"{source}: plan body is corrupted ({err}); fix: recompile the plan with hartsc") from None
-    if not isinstance(body, dict) or not {"step", "microbatches"} <= body.keys():
-        raise PlanFormatError(f"{source}: plan body lacks 'step' or 'microbatches'; fix: recompile the plan with hartsc")
     return Plan(header=header, step=body["step"], microbatches=body["microbatches"], summary=body.get("summary", {}),
                 producers=body.get("producers"))
+
+
+# Decompressed bytes msgpack asks for at a time; compressed bytes fed to zstd at a time.
+_READ_SIZE = 8 << 20
+_FEED_SIZE = 1 << 20
+
+
+class _FrameReader:
+    """The decompressed bytes of the zstd frame at the start of `compressed`, read on demand.
+
+    A large step's body is a gigabyte: decompressing it whole and then
+    unpacking it held it twice (the bytes and the arrays copied out of them).
+    `eof` tells whether the frame ended (its checksum then verified),
+    `produced` how many bytes were read, `trailing_bytes` the input after the frame.
+    """
+
+    def __init__(self, compressed: memoryview):
+        self._frame = zstandard.ZstdDecompressor().decompressobj()
+        self._compressed = compressed
+        self._fed = 0
+        self._pending = bytearray()
+        self.produced = 0   # bytes read so far
+
+    def read(self, size: int = -1) -> bytes:
+        while (size < 0 or len(self._pending) < size) and not self._frame.eof and self._fed < len(self._compressed):
+            chunk = self._compressed[self._fed:self._fed + _FEED_SIZE]
+            self._fed += len(chunk)
+            self._pending += self._frame.decompress(chunk)
+        size = len(self._pending) if size < 0 else size
+        out = bytes(self._pending[:size])
+        del self._pending[:size]
+        self.produced += len(out)
+        return out
+
+    @property
+    def eof(self) -> bool:
+        return self._frame.eof
+
+    @property
+    def trailing_bytes(self) -> int:
+        return len(self._frame.unused_data) + len(self._compressed) - self._fed if self._frame.eof else 0
+
+
+def _unpack_body(unpacker: msgpack.Unpacker) -> dict | None:
+    """The body map, unpacked one microbatch and producer at a time (what `_packed_pieces` wrote);
+    None when the body is no map. Raises `msgpack.OutOfData` if the bytes end first."""
+    try:
+        count = unpacker.read_map_header()
+    except ValueError:   # msgpack's "Unexpected type header on stream"
+        return None
+    body = {}
+    for _ in range(count):
+        key = unpacker.unpack()
+        if key in ("microbatches", "producers"):
+            body[key] = [unpacker.unpack() for _ in range(unpacker.read_array_header())]
+        else:
+            body[key] = unpacker.unpack()
+    return body
 
 
 def read_plan(path: str | os.PathLike) -> Plan:

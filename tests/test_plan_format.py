@@ -4,12 +4,15 @@ Run: `python -m pytest tests/test_plan_format.py -q`.
 """
 from __future__ import annotations
 
+import re
 import struct
 
 import msgpack
 import numpy as np
 import pytest
+import zstandard
 
+from harts.schema import plan as plan_module
 from harts.schema.errors import PlanFormatError
 from harts.schema.plan import (FORMAT, MAGIC, SCHEMA_VERSION, Plan, _encode, _packed_pieces, decode_plan, encode_plan,
                                read_plan, write_plan)
@@ -130,3 +133,37 @@ def test_the_body_is_packed_in_pieces_that_join_to_one_msgpack_document():
     decoded = decode_plan(encode_plan(with_producers))
     assert len(decoded.microbatches) == 3 and len(decoded.producers) == 1 and decoded.summary == {"seconds": 1.5}
     np.testing.assert_array_equal(decoded.producers[0]["row_token"], plan.microbatches[0]["row_token"])
+
+
+def _with_body(body: bytes) -> bytes:
+    """A plan file around raw msgpack body bytes (as an older or broken writer could leave)."""
+    header = msgpack.packb({"format": FORMAT, "schema_version": SCHEMA_VERSION, "flags": {}})
+    return MAGIC + struct.pack("<I", len(header)) + header + zstandard.ZstdCompressor(write_checksum=True).compress(body)
+
+
+@pytest.mark.parametrize("body, words", [
+    (msgpack.packb({"step": {}, "microbatches": []}) + msgpack.packb(5), "corrupted (1 bytes follow its value)"),
+    (msgpack.packb({"step": {}, "microbatches": []}) + b"\xdc", "corrupted (1 bytes follow its value)"),
+    (msgpack.packb({"step": {}, "microbatches": [1, 2, 3]})[:-2], "corrupted (it ends inside a value)"),
+    (msgpack.packb([1, 2]), "lacks 'step' or 'microbatches'"),
+    (msgpack.packb({"step": {}}), "lacks 'step' or 'microbatches'"),
+])
+def test_a_body_that_is_not_one_plan_map_is_refused(body, words):
+    with pytest.raises(PlanFormatError, match=re.escape(words)):
+        decode_plan(_with_body(body), "x.plan")
+
+
+def test_the_body_decodes_the_same_across_any_read_and_feed_sizes(monkeypatch):
+    # The body is decompressed and unpacked a piece at a time; tiny pieces put every boundary inside values.
+    plan = sample_plan()
+    plan = Plan(header=plan.header, step=plan.step, microbatches=plan.microbatches * 40,
+                producers=plan.microbatches * 3, summary={"seconds": 2.0})
+    data = encode_plan(plan)
+    expected = decode_plan(data)
+    monkeypatch.setattr(plan_module, "_READ_SIZE", 7)
+    monkeypatch.setattr(plan_module, "_FEED_SIZE", 5)
+    decoded = decode_plan(data)
+    assert encode_plan(decoded) == data == encode_plan(expected)
+    assert len(decoded.microbatches) == 40 and len(decoded.producers) == 3
+    with pytest.raises(PlanFormatError, match="plan body is truncated"):
+        decode_plan(data[:-9])
