@@ -11,6 +11,7 @@ before any work is done.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
@@ -46,13 +47,32 @@ def check_output_path(path: str | os.PathLike, *, inputs=()) -> Path:
     as root, `-o /dev/null` would turn the system's null device into a
     file); one under an existing file; one in a folder that exists but
     cannot be written; one that is the same file as any of `inputs` (it
-    would be replaced by the output). Missing folders are fine:
+    would be replaced by the output); `-` (standard output); a name the file
+    system cannot hold, or whose temporary file beside it would be too long
+    (`_check_name_length`). Missing folders are fine:
     `atomic_output` creates them. A symbolic link is written through: the
     returned path is the file it points to, so the link stays.
     """
     text = os.fspath(path)
     if not text:
         raise OutputError("''", "the output path is empty", "give a file name")
+    if text == "-":   # not standard output: outputs are written whole and renamed into place
+        raise OutputError(text, "writing to standard output is not supported", "give a file name")
+    try:
+        return _checked_target(text, inputs)
+    except OSError as err:   # a path the file system refuses outright, e.g. a folder name over its limit
+        raise OutputError(text, _reason(err), _fix_for(err)) from None
+
+
+def _fix_for(err: OSError) -> str:
+    if err.errno == errno.ENAMETOOLONG:
+        return "shorten the file and folder names (each at most 255 bytes on most file systems)"
+    return "check that the folder exists as a folder and is writable"
+
+
+def _checked_target(text: str, inputs) -> Path:
+    if stat.S_ISFIFO(_mode_or_zero(text)):   # `-o /dev/stdout` into a pipe: the link leads to no path
+        raise OutputError(text, "it is a named pipe, not a regular file", "give the path of a regular file")
     target = Path(os.path.realpath(text)) if Path(text).is_symlink() else Path(text)
     if text.endswith(("/", os.sep)) or target.is_dir():
         raise OutputError(text, "it names a folder, not a file", f"give a file name, e.g. {Path(text) / 'out'}")
@@ -64,7 +84,37 @@ def check_output_path(path: str | os.PathLike, *, inputs=()) -> Path:
             if target.exists() and os.path.samefile(target, source):
                 raise OutputError(text, "it is also an input and would be overwritten", "write to another file")
     check_can_create_under(text, target.parent)
+    _check_name_length(text, target)
     return target
+
+
+def _mode_or_zero(text: str) -> int:
+    try:
+        return os.stat(text).st_mode
+    except OSError:
+        return 0
+
+
+def _temporary_name(name: str) -> str:
+    """The name of the temporary file an output is first written to, beside it."""
+    return f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def _check_name_length(label: str, target: Path) -> None:
+    """Refuse a file name that fits the file system but whose temporary name beside it would not."""
+    folder = target.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    name = len(os.fsencode(target.name))
+    temporary = len(os.fsencode(_temporary_name(target.name)))
+    if temporary > limit:
+        raise OutputError(label, f"its file name is {name} bytes, and the temporary file written beside it first "
+                                 f"would need {temporary}, over this file system's {limit}",
+                          f"shorten the file name to at most {limit - (temporary - name)} bytes")
 
 
 def refuse_one_file(targets, problem: str, fix: str) -> None:
@@ -103,13 +153,13 @@ def _temporary_beside(path: Path):
         folder = folder.parent
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        tmp = path.parent / _temporary_name(path.name)
         # Mode 0o666 (less the umask), as any new file gets, rather than mkstemp's
         # 0600: the mode survives the rename.
         return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp, path, created
     except OSError as err:
         _remove_empty(created)
-        raise OutputError(path, _reason(err), "check that the folder exists as a folder and is writable") from err
+        raise OutputError(path, _reason(err), _fix_for(err)) from err
 
 
 def _remove_empty(folders: list[Path]) -> None:

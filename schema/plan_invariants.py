@@ -35,7 +35,9 @@ witness that a plan is legal:
 
 `check_step_matches` adds, with the input file: the same trajectory ids and
 trees in the same order and the same RL fields (masks, advantages,
-log-probabilities).
+log-probabilities). `check_step_counts` (`harts check`) recounts the step's
+stored totals: `trie_unique_tokens` exactly, `l1_compact_tokens` within what
+L1 and L2 guarantee.
 """
 from __future__ import annotations
 
@@ -523,3 +525,59 @@ def require_valid_plan(path: str, plan: Plan) -> None:
     except VerificationError as err:
         raise PlanFormatError(f"{path}: {err}; fix: recompile the plan with hartsc "
                               f"(`harts check {path}` reports the same)") from None
+
+
+def check_step_counts(plan: Plan) -> None:
+    """The step's stored totals agree with its trajectories (call after `check_plan`, which bounds the tables).
+
+    `trie_unique_tokens`, the distinct non-empty prefixes of the step's
+    trajectories (what `harts stats`' `compression_bound` divides by), is
+    recounted from the trajectories' tokens as the rows hold them along each
+    member's path. `l1_compact_tokens`, L1's complete-layout total, cannot be
+    recounted once L2 has regrouped the consumers, so it is held to what L1
+    and L2 guarantee: at least the distinct prefixes and the decoder rows the
+    plan runs (L2 never runs more), at most the original tokens.
+    """
+    step = plan.step
+    tokens, offsets = _trajectory_tokens(plan)
+    unique = _distinct_prefixes(tokens, offsets)
+    if int(step["trie_unique_tokens"]) != unique:
+        raise VerificationError("trie_unique_tokens counts the distinct prefixes of the step's trajectories",
+                                f"the plan stores {int(step['trie_unique_tokens'])}, its trajectories have {unique}")
+    if "l1_compact_tokens" not in step:
+        return
+    l1 = int(step["l1_compact_tokens"])
+    decoder = sum(int(np.count_nonzero(np.asarray(mb["row_cached_by"]) < 0)) for mb in plan.microbatches) + sum(
+        len(producer["row_token"]) for producer in plan.producers or [])
+    original = int(offsets[-1])
+    if not max(unique, decoder) <= l1 <= original:
+        raise VerificationError("l1_compact_tokens lies between the plan's decoder rows (and distinct prefixes) "
+                                "and its original tokens", f"{l1} outside [{max(unique, decoder)}, {original}]")
+
+
+def _trajectory_tokens(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """Every trajectory's tokens, read from its consumer's rows along its member path; (tokens, offsets)."""
+    offsets = np.asarray(plan.step["token_offsets"], dtype=np.int64)
+    tokens = np.zeros(int(offsets[-1]), dtype=np.int64)
+    for mb in plan.microbatches:
+        members = np.asarray(mb["member_trajectory"], dtype=np.int64)
+        path_row = expand_runs(np.asarray(mb["run_row_start"], dtype=np.int64),
+                               np.asarray(mb["run_length"], dtype=np.int64))
+        # Runs are stored member by member, each member's in position order (`check_member_paths`).
+        tokens[expand_runs(offsets[members], offsets[members + 1] - offsets[members])] = \
+            np.asarray(mb["row_token"])[path_row]
+    return tokens, offsets
+
+
+def _distinct_prefixes(tokens: np.ndarray, offsets: np.ndarray) -> int:
+    """Distinct non-empty prefixes of the sequences: sum of lengths less the longest common prefix of each
+    sequence with the one before it in lexicographic order (big-endian bytes of non-negative ids sort so)."""
+    sequences = [tokens[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+    order = sorted(range(len(sequences)), key=lambda t: sequences[t].astype(">u8").tobytes())
+    shared = 0
+    for previous, current in zip(order, order[1:]):
+        a, b = sequences[previous], sequences[current]
+        n = min(len(a), len(b))
+        differ = np.flatnonzero(a[:n] != b[:n])
+        shared += int(differ[0]) if len(differ) else n
+    return int(offsets[-1]) - shared

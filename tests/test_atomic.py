@@ -79,3 +79,32 @@ def test_two_outputs_that_are_one_file_through_a_link_are_refused(tmp_path):
     with pytest.raises(OutputError, match="two of the outputs are the same file"):
         atomic.atomic_write_files({tmp_path / "a": b"1", tmp_path / "b": b"2"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
+@pytest.mark.parametrize("name, words", [
+    ("w" * 250 + ".plan", "would need"),   # fits alone; its temporary name beside it would not
+    ("w" * 300 + ".plan", "File name too long"),   # over the limit itself: the file system's own words
+])
+def test_a_file_name_too_long_for_its_temporary_is_one_line_before_any_work(tmp_path, name, words):
+    """Found by a tools audit: `hartsc -o <255-character name>` ended in an OSError traceback."""
+    with pytest.raises(OutputError, match=words) as info:
+        atomic.check_output_path(tmp_path / name)
+    assert "; fix: shorten the file" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_name_too_long_is_one_line(tmp_path):
+    with pytest.raises(OutputError, match="File name too long; fix: shorten the file and folder names"):
+        atomic.check_output_path(tmp_path / ("d" * 300) / "x.plan")
+
+
+def test_standard_output_and_a_pipe_behind_a_link_are_refused(tmp_path):
+    with pytest.raises(OutputError, match="writing to standard output is not supported"):
+        atomic.check_output_path("-")
+    read_end, write_end = os.pipe()   # what `-o /dev/stdout | cat` names: a link to a pipe with no path
+    try:
+        with pytest.raises(OutputError, match="it is a named pipe, not a regular file"):
+            atomic.check_output_path(f"/proc/self/fd/{write_end}")
+    finally:
+        os.close(read_end)
+        os.close(write_end)

@@ -13,7 +13,7 @@ import pytest
 from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.schema.errors import VerificationError
-from harts.schema.plan_invariants import check_plan
+from harts.schema.plan_invariants import check_plan, check_step_counts
 
 B = 4
 LISTS = [
@@ -178,3 +178,26 @@ def test_checker_names_the_broken_invariant(compiled, case):
     with pytest.raises(VerificationError) as info:
         check_plan(broken, batch.tokens, batch.token_offsets)
     assert words in str(info.value)
+
+
+def test_stored_step_counts_are_recounted(compiled):
+    """Found by a tools audit: `harts check` passed a plan whose stored trie_unique_tokens and
+    l1_compact_tokens were wrong, and `harts stats` then printed a compression bound below the compression."""
+    batch, plan = compiled
+    # Sorted: 1^9 2^3, 1^9 3^2, 1^4 5^5, 1^4 5^5 6, the same again, 8^3; LCPs with the one before: 9, 4, 9, 10, 0.
+    expected = sum(len(t) for t in LISTS) - (9 + 4 + 9 + 10)
+    assert plan.step["trie_unique_tokens"] == expected
+    check_step_counts(plan)
+    broken = mutable(plan)
+    broken.step["trie_unique_tokens"] = expected + 1
+    with pytest.raises(VerificationError, match=f"the plan stores {expected + 1}, its trajectories have {expected}"):
+        check_step_counts(broken)
+
+    two_levels = TrajectoryBatch.from_token_lists(LISTS * 2)
+    l2 = compile_batch(two_levels, CompileOptions(dp=2, capacity=24, chunk_size=B)).plan
+    check_step_counts(l2)
+    for wrong in (l2.step["trie_unique_tokens"] - 1, sum(len(t) for t in LISTS * 2) + 1):
+        broken = mutable(l2)
+        broken.step["l1_compact_tokens"] = wrong
+        with pytest.raises(VerificationError, match="l1_compact_tokens lies between"):
+            check_step_counts(broken)

@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -393,6 +394,20 @@ def test_refusals_name_the_bound_and_the_default_they_suggest():
         GenConfig(vocab_size=2)
     with pytest.raises(ValueError, match=r"tool_tokens_median .* e\.g\. 400$"):
         GenConfig(tool_tokens_median=math.inf)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("system_prompt_tokens", 10.5, "system_prompt_tokens must be an integer, got 10.5 (float)"),
+    ("tasks", True, "tasks must be an integer, got True (bool)"),
+    ("tasks", "2", "tasks must be an integer, got '2' (str)"),
+    ("with_logprobs", 1, "with_logprobs must be True or False, got 1 (int)"),
+    ("kind", None, "kind must be a string, got None (NoneType)"),
+])
+def test_python_callers_get_one_line_for_a_value_of_the_wrong_type(field, value, words):
+    """Found by a tools audit: a float length was accepted and failed later inside numpy; True was one task."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        GenConfig(**{field: value})
+    GenConfig(tasks=np.int64(2), branch_prob=1, action_tokens_median=np.float32(50))   # any integer; ints as floats
 
 
 @pytest.mark.parametrize("bad", [

@@ -17,7 +17,7 @@ from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.schema.errors import PassFailedError
 from harts.schema.plan import encode_plan, read_plan, write_plan
 from harts.schema.summary import plan_statistics
-from harts.schema.plan_invariants import check_plan
+from harts.schema.plan_invariants import check_plan, check_step_counts
 from harts.tools import gen
 
 from prefix_inputs import forests, unless_dp_refused
@@ -35,6 +35,7 @@ def test_compiled_plans_pass_every_invariant(lists, chunk_size, dp, extra_capaci
     if result is None:
         return
     check_plan(result.plan, batch.tokens, batch.token_offsets)
+    check_step_counts(result.plan)   # the checker's own recount of the trie rows
     stats = plan_statistics(result.plan)
     assert stats["original_tokens"] == sum(len(t) for t in lists)
     assert stats["compact_tokens"] >= result.trie.unique_tokens

@@ -29,7 +29,7 @@ from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.schema.errors import PassFailedError, VerificationError
 from harts.schema.plan import encode_plan, read_plan, write_plan
 from harts.schema.summary import cost_work, plan_statistics
-from harts.schema.plan_invariants import check_plan
+from harts.schema.plan_invariants import check_plan, check_step_counts
 
 from prefix_inputs import forests, lengths_and_lcp, unless_dp_refused
 
@@ -55,6 +55,7 @@ def test_compiled_l2_plans_pass_every_invariant(lists, chunk_size, dp, extra_cap
         return
     batch, result = compiled
     check_plan(result.plan, batch.tokens, batch.token_offsets)
+    check_step_counts(result.plan)   # the checker's own recount of the trie rows
     stats = plan_statistics(result.plan)
     l1_compact = int(result.partition.work.sum())
     assert stats["decoder_tokens"] <= l1_compact, "decoder tokens never exceed L1's compact tokens"

@@ -6,7 +6,7 @@ import sys
 
 from harts.schema.errors import HartsError, VerificationError
 from harts.schema.plan import read_plan
-from harts.schema.plan_invariants import check_plan, check_step_matches
+from harts.schema.plan_invariants import check_plan, check_step_counts, check_step_matches
 from harts.text import plural
 
 # The per-token and per-trajectory RL fields a plan's step copies from the input file.
@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
             from harts.compiler.read_trees import read_trees
             batch = read_trees(args.trees)
         check_plan(plan, *((batch.tokens, batch.token_offsets) if batch else ()))
+        check_step_counts(plan)
         if batch:
             check_step_matches(plan.step, batch.ids, {name: getattr(batch, name) for name in STEP_FIELDS},
                                trees=batch.trees)

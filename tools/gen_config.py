@@ -16,7 +16,10 @@ their rollouts are shaped, how long each part is, and the seed. Invariants:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import numbers
+from dataclasses import dataclass, field, fields
+
+import numpy as np
 
 from harts.schema.errors import UsageError
 
@@ -116,6 +119,8 @@ class GenConfig:
     def __post_init__(self) -> None:
         """Refuse any value the generator cannot honour: one ValueError, `GenConfig: ...; fix: ...`."""
         c = self
+        for f in fields(c):
+            _need_type(f.name, f.type, getattr(c, f.name))
         _need(c.kind in KINDS, f"kind must be one of {KINDS}", repr(c.kind),
               f"set kind (--kind) to {' or '.join(KINDS)}")
         _need(c.shared_steps in SHARED_STEPS, f"shared_steps must be one of {SHARED_STEPS}",
@@ -179,6 +184,20 @@ def _need(ok: bool, what: str, got, fix: str) -> None:
     """Raise the GenConfig error line unless `ok`: what was expected, what was found, the fix."""
     if not ok:
         raise UsageError(f"GenConfig: {what}, got {got}; fix: {fix}")
+
+
+# Per annotation: the types accepted and how the fix names them. bool is an int to Python, but `tasks=True`
+# is a mistake, not one task; an int is a fine float.
+_ACCEPTS = {"int": ((numbers.Integral,), "an integer"), "float": ((numbers.Real,), "a number"),
+            "str": ((str,), "a string"), "bool": ((bool, np.bool_), "True or False")}
+
+
+def _need_type(name: str, annotation: str, value) -> None:
+    """The value has its field's type (the CLI's argparse types guarantee it; Python callers may not)."""
+    accepted, described = _ACCEPTS[annotation]
+    boolean = isinstance(value, (bool, np.bool_))
+    _need(isinstance(value, accepted) and (annotation == "bool" or not boolean), f"{name} must be {described}",
+          f"{value!r} ({type(value).__name__})", f"pass {name} as {described}")
 
 
 def _need_range(c: GenConfig, stem: str, *, low: int) -> None:
