@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from harts.tools.gen import (
     GenConfig, generate, main, plan, preset, scale_to, summarize, write_jsonl)
+from harts.tools.gen_config import TREESTEP_ONLY
 
 # Small enough to check every pair of records, forky enough to have forks of forks.
 TREE = GenConfig(kind="treestep", tasks=3, group_size=3, system_prompt_tokens=64,
@@ -480,3 +481,15 @@ def test_a_write_that_fails_midway_is_one_line_naming_the_file(tmp_path, name):
     assert done.stderr.splitlines() == [f"harts gen: error: cannot write {tmp_path / name}: File too large; "
                                         "fix: free disk space or choose another folder"]
     assert os.listdir(tmp_path) == []
+
+
+def test_tree_step_flags_warn_with_step_wise_rollouts(tmp_path, capsys):
+    """Found by a tools audit: `--kind stepwise --max-branches 0` was taken silently."""
+    assert sorted(TREESTEP_ONLY) == sorted(f.name for f in dataclasses.fields(GenConfig)
+                                           if f.metadata["help"].startswith("treestep:"))
+    assert main(["--max-branches", "3", "--shared-steps", "per-branch", "--dry-run"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [f"harts gen: warning: --{flag} has no effect with --kind stepwise (only tree-step rollouts "
+                        "fork)" for flag in ("max-branches", "shared-steps")]
+    assert main(["--kind", "treestep", "--max-branches", "9", "--dry-run"]) == 0
+    assert "warning" not in capsys.readouterr().err

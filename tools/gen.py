@@ -45,7 +45,7 @@ from harts.schema.atomic import check_output_path
 from harts.schema.errors import HartsError, UsageError
 # The public API, importable from here as it was before the split (tests,
 # benchmarks, tools/demo.py and docs/gen.md use `harts.tools.gen`).
-from harts.tools.gen_config import KINDS, PRESETS, SHARED_STEPS, GenConfig, cli_flag, preset
+from harts.tools.gen_config import KINDS, PRESETS, SHARED_STEPS, TREESTEP_ONLY, GenConfig, cli_flag, preset
 from harts.tools.gen_shape import TaskPlan, plan, plan_task
 from harts.tools.gen_sizes import GenStats, scale_to, step_stats, summarize
 from harts.tools.gen_tokens import generate, generate_from
@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
             config = scale_to(config, trajectories=args.target_trajectories)
         elif args.target_tokens is not None:
             config = scale_to(config, tokens=args.target_tokens)
+        if config.kind != "treestep":
+            for name in sorted(set(overrides) & TREESTEP_ONLY):
+                print(f"harts gen: warning: {cli_flag(name)} has no effect with --kind {config.kind} "
+                      "(only tree-step rollouts fork)", file=sys.stderr)
         if args.output is None and not args.dry_run:
             raise UsageError("no output file; fix: give -o/--output FILE, or --dry-run")
         if not args.dry_run:

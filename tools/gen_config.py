@@ -27,6 +27,9 @@ KINDS = ("stepwise", "treestep")
 SHARED_STEPS = ("once", "per-branch")
 PRESETS = ("small", "paper")
 
+# Fields only tree-step rollouts read (their help starts "treestep:").
+TREESTEP_ONLY = frozenset({"branch_prob", "branch_factor", "max_branches", "shared_steps"})
+
 # Hard limits of the output format; `GenConfig.__post_init__` says why each holds.
 _MAX_LOGPROB_SCALE = 1e30
 _MAX_VOCAB = 2**31
