@@ -213,9 +213,11 @@ def decode_plan(data: bytes, source: str = "<plan>") -> Plan:
     """
     header, body_start = read_header(data, source)
     stream = _FrameReader(memoryview(data)[body_start:])
-    unpacker = msgpack.Unpacker(stream, raw=False, object_hook=_decode, strict_map_key=False,
-                                read_size=_READ_SIZE, max_buffer_size=0)
     fix = "fix: recompile the plan with hartsc"
+    # msgpack's default limits on one value (100 MiB, or 4 GiB "unlimited") would refuse a large step's token
+    # arrays; a value claiming more bytes than the body holds just runs out of data.
+    unpacker = msgpack.Unpacker(stream, raw=False, object_hook=_decode, strict_map_key=False,
+                                read_size=_READ_SIZE, max_buffer_size=_MAX_VALUE_BYTES)
     try:
         body = _unpack_body(unpacker)
         if body is not None:
@@ -245,6 +247,7 @@ def decode_plan(data: bytes, source: str = "<plan>") -> Plan:
 # Decompressed bytes msgpack asks for at a time; compressed bytes fed to zstd at a time.
 _READ_SIZE = 8 << 20
 _FEED_SIZE = 1 << 20
+_MAX_VALUE_BYTES = 1 << 40
 
 
 class _FrameReader:
