@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 from harts.compiler.partition.options import L1_OBJECTIVES
 from harts.compiler.passes.partition_ffd import SHARD_UNITS
@@ -114,7 +116,12 @@ def _compile(argv: list[str] | None) -> int:
         try:
             sidecar = check_output_path(timing_path(args.output), inputs=[args.trees])
         except OutputError as err:
-            raise OutputError(err.path, err.problem, sidecar_fix) from None
+            # Nothing there to move (a name too long once the suffix is added): the plan's name is the fix.
+            longer = len(os.fsencode(timing_path(args.output).name)) - len(os.fsencode(Path(args.output).name))
+            fix = sidecar_fix if os.path.lexists(timing_path(args.output)) else (
+                f"shorten the plan's file name: hartsc writes its timing record beside it under a name "
+                f"{longer} bytes longer")
+            raise OutputError(err.path, err.problem, fix) from None
         refuse_one_file([(args.output, output), (timing_path(args.output), sidecar)],
                         "it leads to the plan file itself", sidecar_fix)
         from harts.compiler.read_trees import read_trees

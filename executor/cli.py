@@ -394,12 +394,13 @@ def _together(distributed_run: bool, device: torch.device, stage: str):
         yield
         return
     from harts.executor import distributed
+    flags = distributed.failure_flags(device)
     failure = None
     try:
         yield
     except Exception as err:   # any: a custom objective's own error, out of memory
         failure = err
-    distributed.raise_if_a_rank_failed(failure, device, stage)
+    distributed.raise_if_a_rank_failed(failure, flags, stage)
 
 
 def model_backend(device: torch.device, plan, model) -> str:

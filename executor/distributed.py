@@ -125,7 +125,13 @@ def all_reduce_result(result, model) -> None:
     result.logprobs = dict(zip(keys, np.split(merged, bounds)))
 
 
-def raise_if_a_rank_failed(own: BaseException | None, device: torch.device, stage: str) -> None:
+def failure_flags(device: torch.device) -> torch.Tensor:
+    """The buffer `raise_if_a_rank_failed` reduces, allocated before the stage it reports on: a rank that
+    ran out of memory there must not need new memory to say so."""
+    return torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+
+
+def raise_if_a_rank_failed(own: BaseException | None, failed: torch.Tensor, stage: str) -> None:
     """Every rank says whether `stage` failed on it; then the ranks that failed re-raise their own error and the
     others raise one line naming them.
 
@@ -133,9 +139,10 @@ def raise_if_a_rank_failed(own: BaseException | None, device: torch.device, stag
     raised (or that ran out of memory) exits while the others wait in the
     all-reduce, which then fails with a transport traceback (gloo) or hangs
     until its timeout (nccl). Call it on every rank, after `stage`, with the
-    exception that rank caught (None if it succeeded).
+    exception that rank caught (None if it succeeded) and the `failure_flags`
+    allocated before the stage.
     """
-    failed = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+    failed.zero_()
     failed[dist.get_rank()] = float(own is not None)
     dist.all_reduce(failed)
     ranks = torch.nonzero(failed).flatten().tolist()

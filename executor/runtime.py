@@ -253,10 +253,15 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
         raise UsageError(f"the model is wrapped ({type(model).__name__}); fix: pass the Hugging Face model itself "
                          "(model.module): HARTS splits data parallelism by the plan's replicas (torchrun ... harts "
                          "run, or harts.executor.distributed; see docs/integration.md), not through a wrapper")
-    if not isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
+    head = getattr(model, "lm_head", None)
+    if head is None:
         raise UsageError(f"the model has no LM head ({type(model).__name__}: no lm_head layer), and HARTS recovers "
                          "log-probabilities through it; fix: pass the causal-LM model "
                          "(AutoModelForCausalLM.from_pretrained), not its base model")
+    if not isinstance(head, torch.nn.Linear):
+        raise UsageError(f"the model's lm_head is a {type(head).__name__}, not a torch.nn.Linear: HARTS reads its "
+                         "weight to recover log-probabilities blockwise; fix: merge any adapter into the head "
+                         "(e.g. PEFT's merge_and_unload) or leave the head out of it")
     if mode not in MODES:
         raise UsageError(f"mode must be one of {MODES}, got {mode!r}; fix: pass one of them ('compact' unless "
                          "you are comparing against a baseline)")

@@ -95,9 +95,14 @@ def _mode_or_zero(text: str) -> int:
         return 0
 
 
-def _temporary_name(name: str) -> str:
+def _temporary_name(name: str, pid: int | None = None) -> str:
     """The name of the temporary file an output is first written to, beside it."""
-    return f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    return f".{name}.{os.getpid() if pid is None else pid}.{secrets.token_hex(4)}.tmp"
+
+
+# Linux's largest pid_max: names are measured with the longest pid, so whether one passes does not depend on
+# the process that writes it.
+_LONGEST_PID = 4194304
 
 
 def _check_name_length(label: str, target: Path) -> None:
@@ -110,7 +115,7 @@ def _check_name_length(label: str, target: Path) -> None:
     except (OSError, ValueError):
         limit = 255
     name = len(os.fsencode(target.name))
-    temporary = len(os.fsencode(_temporary_name(target.name)))
+    temporary = len(os.fsencode(_temporary_name(target.name, _LONGEST_PID)))
     if temporary > limit:
         raise OutputError(label, f"its file name is {name} bytes, and the temporary file written beside it first "
                                  f"would need {temporary}, over this file system's {limit}",

@@ -297,7 +297,12 @@ def _unpack_body(unpacker: msgpack.Unpacker) -> dict | None:
     for _ in range(count):
         key = unpacker.unpack()
         if key in ("microbatches", "producers"):
-            body[key] = [unpacker.unpack() for _ in range(unpacker.read_array_header())]
+            try:
+                items = unpacker.read_array_header()
+            except ValueError:   # not a list (another writer's nil producers): `validate_plan` judges the value
+                body[key] = unpacker.unpack()
+            else:
+                body[key] = [unpacker.unpack() for _ in range(items)]
         else:
             body[key] = unpacker.unpack()
     return body

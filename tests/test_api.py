@@ -201,6 +201,7 @@ def tiny_model():
     ("mode-typo", r"mode must be one of .*, got 'compat'; fix: pass one of them"),
     ("logprobs-typo", r"logprobs must be one of .*, got 'los'; fix: pass 'all'"),
     ("base-model", r"the model has no LM head \(KimiLinearModel: no lm_head layer\).*fix: pass the causal-LM model"),
+    ("adapted-head", r"the model's lm_head is a Sequential, not a torch.nn.Linear.*fix: merge any adapter"),
 ])
 def test_run_arguments_it_cannot_run_are_usage_errors(tiny_model, case, words):
     """Found by a user audit: each gave a raw torch or Python error from inside the step, and repeated
@@ -218,6 +219,9 @@ def test_run_arguments_it_cannot_run_are_usage_errors(tiny_model, case, words):
         model = copy.deepcopy(tiny_model).requires_grad_(False)
     elif case == "base-model":
         model = tiny_model.model
+    elif case == "adapted-head":
+        model = copy.deepcopy(tiny_model)
+        model.lm_head = torch.nn.Sequential(model.lm_head)
     elif case == "loss-name":
         kwargs["loss"] = "grpo"
     elif case == "mode-typo":

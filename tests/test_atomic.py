@@ -108,3 +108,21 @@ def test_standard_output_and_a_pipe_behind_a_link_are_refused(tmp_path):
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+def test_whether_a_long_name_passes_does_not_depend_on_the_writers_pid(tmp_path, monkeypatch):
+    """Found by a review: names were measured with this process's pid, so one run could accept a name the next
+    refused. They are measured with the longest pid Linux gives."""
+    outcomes = []
+    for pid in (1, 4194303):
+        monkeypatch.setattr(os, "getpid", lambda pid=pid: pid)
+        outcomes.append([_accepted(tmp_path / ("n" * length)) for length in range(225, 240)])
+    assert outcomes[0] == outcomes[1] and True in outcomes[0] and False in outcomes[0]
+
+
+def _accepted(path) -> bool:
+    try:
+        atomic.check_output_path(path)
+        return True
+    except OutputError:
+        return False

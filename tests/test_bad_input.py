@@ -72,6 +72,7 @@ def unread(monkeypatch):
     ("trailing-slash", "names a folder"),
     ("the-input", "also an input"),
     ("sidecar-is-a-folder", "names a folder"),
+    ("sidecar-name-too-long", "plan.timing.json: its file name is 245 bytes"),
 ])
 def test_bad_output_path_is_one_line_before_reading(tmp_path, capsys, unread, case, words):
     trees = write_trees(tmp_path / "trees.jsonl")
@@ -79,7 +80,9 @@ def test_bad_output_path_is_one_line_before_reading(tmp_path, capsys, unread, ca
     (tmp_path / "afile").write_text("keep")
     output = {"folder": tmp_path / "adir", "under-a-file": tmp_path / "afile" / "x.plan", "empty": "",
               "trailing-slash": f"{tmp_path / 'newdir'}/", "the-input": trees,
-              "sidecar-is-a-folder": tmp_path / "p.plan"}[case]
+              "sidecar-is-a-folder": tmp_path / "p.plan",
+              # The plan's name fits; the timing record's beside it, 12 bytes longer, does not.
+              "sidecar-name-too-long": tmp_path / ("p" * 228 + ".plan")}[case]
     if case == "sidecar-is-a-folder":
         timing_path(output).mkdir()
     before = sorted(p.name for p in tmp_path.iterdir())
@@ -88,6 +91,9 @@ def test_bad_output_path_is_one_line_before_reading(tmp_path, capsys, unread, ca
     assert words in line
     if case == "sidecar-is-a-folder":   # not "give a file name": the user cannot choose the sidecar's
         assert "fix: move it away: hartsc writes the plan's timing record there" in line
+    if case == "sidecar-name-too-long":   # found by a review: nothing is there to move away
+        assert "fix: shorten the plan's file name: hartsc writes its timing record beside it under a name 12 " \
+               "bytes longer" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert trees.read_bytes() == write_trees(tmp_path / "again.jsonl").read_bytes()
     assert (tmp_path / "afile").read_text() == "keep"

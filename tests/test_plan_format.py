@@ -167,3 +167,10 @@ def test_the_body_decodes_the_same_across_any_read_and_feed_sizes(monkeypatch):
     assert len(decoded.microbatches) == 40 and len(decoded.producers) == 3
     with pytest.raises(PlanFormatError, match="plan body is truncated"):
         decode_plan(data[:-9])
+
+
+def test_nil_producers_read_as_a_plan_without_windows():
+    """Found by a review: the piecewise decoder refused `"producers": nil`, which the whole-body one read as
+    an L1-only plan."""
+    plan = decode_plan(_with_body(msgpack.packb({"step": {}, "microbatches": [], "producers": None})), "x.plan")
+    assert plan.producers is None and plan.microbatches == []
