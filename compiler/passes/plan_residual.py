@@ -91,7 +91,7 @@ def plan_residual(layout: CompactLayout, replay: ReplayPlan, row_cached_by: np.n
     selected = np.flatnonzero(~cached | ghost)                         # creation order, parents first
     index_of = np.full(layout.num_rows, -1, dtype=np.int64)
     index_of[selected] = np.arange(len(selected))
-    outer_parent = layout.row_parent.astype(np.int64)[selected]
+    outer_parent = layout.row_parent[selected].astype(np.int64)
     parent = np.where(outer_parent >= 0, index_of[np.maximum(outer_parent, 0)], -1)
     segment_row_start, segment_parent = segments_of(parent)
     empty = np.zeros(0, dtype=np.int64)
@@ -130,7 +130,7 @@ def plan_residual(layout: CompactLayout, replay: ReplayPlan, row_cached_by: np.n
     # External start: the consumer row at depth a - 1 above the sequence's anchor row.
     external = plan.sequence_external_start
     anchor_row = plan.row_of_exec[tokens[offsets[:-1][external]]]     # forest row at depth a
-    outer = layout.row_parent.astype(np.int64)[selected[anchor_row]]
+    outer = layout.row_parent[selected[anchor_row]].astype(np.int64)
     external_row = np.full(Q, -1, dtype=np.int64)
     external_row[external] = replay.exec_of_row[outer]
     return ResidualPlan(
