@@ -113,17 +113,17 @@ def _compile(argv: list[str] | None) -> int:
         # Beside the name given: `harts stats` looks for it there even when the plan is a link. Its name
         # follows the plan's, so the fix for a bad one is to clear that path, not to rename it.
         sidecar_fix = f"move it away: hartsc writes the plan's timing record there, beside {args.output}"
+        timing = timing_path(args.output)
         try:
-            sidecar = check_output_path(timing_path(args.output), inputs=[args.trees])
+            sidecar = check_output_path(timing, inputs=[args.trees])
         except OutputError as err:
             # Nothing there to move (a name too long once the suffix is added): the plan's name is the fix.
-            longer = len(os.fsencode(timing_path(args.output).name)) - len(os.fsencode(Path(args.output).name))
-            fix = sidecar_fix if os.path.lexists(timing_path(args.output)) else (
+            longer = len(os.fsencode(timing.name)) - len(os.fsencode(Path(args.output).name))
+            fix = sidecar_fix if os.path.lexists(timing) else (
                 f"shorten the plan's file name: hartsc writes its timing record beside it under a name "
                 f"{longer} bytes longer")
             raise OutputError(err.path, err.problem, fix) from None
-        refuse_one_file([(args.output, output), (timing_path(args.output), sidecar)],
-                        "it leads to the plan file itself", sidecar_fix)
+        refuse_one_file([(args.output, output), (timing, sidecar)], "it leads to the plan file itself", sidecar_fix)
         from harts.compiler.read_trees import read_trees
         t0 = time.perf_counter()
         batch = read_trees(args.trees, vocab_size=args.vocab_size, capacity=args.capacity)

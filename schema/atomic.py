@@ -107,11 +107,8 @@ _LONGEST_PID = 4194304
 
 def _check_name_length(label: str, target: Path) -> None:
     """Refuse a file name that fits the file system but whose temporary name beside it would not."""
-    folder = target.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
     try:
-        limit = os.pathconf(folder, "PC_NAME_MAX")
+        limit = os.pathconf(_nearest_existing(target.parent), "PC_NAME_MAX")
     except (OSError, ValueError):
         limit = 255
     name = len(os.fsencode(target.name))
@@ -140,12 +137,18 @@ def refuse_one_file(targets, problem: str, fix: str) -> None:
 def check_can_create_under(label: str, folder: Path) -> None:
     """Refuse (OutputError about `label`) a folder whose nearest existing ancestor, itself included,
     is a file or a folder this process cannot write: nothing could be created below it."""
-    while not folder.exists() and not folder.is_symlink() and folder != folder.parent:
-        folder = folder.parent
+    folder = _nearest_existing(folder)
     if folder.exists() and not folder.is_dir():
         raise OutputError(label, f"{folder} is a file, not a folder", "choose a path whose folders are folders")
     if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
         raise OutputError(label, f"folder {folder} is not writable", "choose a folder you can write to")
+
+
+def _nearest_existing(folder: Path) -> Path:
+    """`folder` or its nearest ancestor that exists (a link, even a dangling one, counts)."""
+    while not folder.exists() and not folder.is_symlink() and folder != folder.parent:
+        folder = folder.parent
+    return folder
 
 
 def _temporary_beside(path: Path):

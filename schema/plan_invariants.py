@@ -46,6 +46,7 @@ import numpy as np
 from harts.schema.errors import PlanFormatError, VerificationError
 from harts.schema.plan import Plan
 from harts.schema.runs import expand_runs
+from harts.schema.summary import decoder_rows
 
 
 def fail(microbatch, invariant: str, detail: str):
@@ -547,7 +548,7 @@ def check_step_counts(plan: Plan) -> None:
     if "l1_compact_tokens" not in step:
         return
     l1 = int(step["l1_compact_tokens"])
-    decoder = sum(int(np.count_nonzero(np.asarray(mb["row_cached_by"]) < 0)) for mb in plan.microbatches) + sum(
+    decoder = sum(decoder_rows(mb) for mb in plan.microbatches) + sum(
         len(producer["row_token"]) for producer in plan.producers or [])
     original = int(offsets[-1])
     if not max(unique, decoder) <= l1 <= original:

@@ -27,9 +27,6 @@ KINDS = ("stepwise", "treestep")
 SHARED_STEPS = ("once", "per-branch")
 PRESETS = ("small", "paper")
 
-# Fields only tree-step rollouts read (their help starts "treestep:").
-TREESTEP_ONLY = frozenset({"branch_prob", "branch_factor", "max_branches", "shared_steps"})
-
 # Hard limits of the output format; `GenConfig.__post_init__` says why each holds.
 _MAX_LOGPROB_SCALE = 1e30
 _MAX_VOCAB = 2**31
@@ -172,6 +169,10 @@ class GenConfig:
               "treestep needs max_branches >= group_size", (c.max_branches, c.group_size),
               f"set max_branches (--max-branches) to {c.group_size} or more, or lower group_size")
         _need(c.seed >= 0, "seed must be >= 0", c.seed, "set seed (--seed) to 0 or more")
+
+
+# Fields only tree-step rollouts read: those whose help starts "treestep:".
+TREESTEP_ONLY = frozenset(f.name for f in fields(GenConfig) if f.metadata["help"].startswith("treestep:"))
 
 
 def _default(name: str):
