@@ -58,6 +58,25 @@ def test_identical_plans_print_one_line(plans, capsys):
     assert data["identical"] is True and data["changed"] == []
 
 
+def test_identical_plans_are_decoded_once(plans, capsys, monkeypatch):
+    """Equal bytes are one plan: B is not decoded and validated again (seconds and gigabytes at scale)."""
+    import harts.tools.diff as diff
+
+    def second_read(path):
+        raise AssertionError(f"{path} decoded although its bytes equal A's")
+    monkeypatch.setattr(diff, "read_plan", second_read)
+    out = run_diff(capsys, plans["dp4"], plans["dp4_again"])
+    assert out.startswith("identical:")
+    with pytest.raises(AssertionError, match="decoded although"):
+        run_diff(capsys, plans["dp4"], plans["dp2"])
+
+
+def test_missing_second_plan_is_one_line(plans, tmp_path, capsys):
+    assert harts_main(["diff", str(plans["dp4"]), str(tmp_path / "none.plan")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "none.plan: cannot read plan" in err[0] and "fix:" in err[0]
+
+
 def test_different_dp_shows_flags_and_placement_not_membership(plans, capsys):
     out = run_diff(capsys, plans["dp2"], plans["dp4"])
     assert out.startswith("differ: flags")

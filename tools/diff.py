@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 from harts.schema.errors import HartsError, PlanFormatError
-from harts.schema.plan import Plan, read_plan
+from harts.schema.plan import Plan, read_plan, read_plan_and_bytes
 from harts.schema.summary import plan_statistics
 from harts.text import plural
 from harts.tools.viz import microbatch_window, plan_producers, producer_rows, window_spans
@@ -250,17 +250,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.limit < 0:
         parser.error(f"--limit must be >= 0, got {args.limit}")
     try:
-        data = []
-        for path in (args.plan_a, args.plan_b):
-            try:
-                data.append(Path(path).read_bytes())
-            except OSError as err:
-                raise PlanFormatError(f"{path}: cannot read plan ({err.strerror}); fix: check the path") from None
-        a, b = read_plan(args.plan_a), read_plan(args.plan_b)
+        a, data_a = read_plan_and_bytes(args.plan_a)
+        try:
+            data_b = Path(args.plan_b).read_bytes()
+        except OSError as err:
+            raise PlanFormatError(f"{args.plan_b}: cannot read plan ({err.strerror}); fix: check the path") from None
+        identical = data_a == data_b
+        del data_a
+        # Identical bytes decode to the same plan: read it once (a 16,384-trajectory plan takes seconds and
+        # gigabytes to decode and validate).
+        b = a if identical else read_plan(args.plan_b)
     except HartsError as err:
         print(f"harts diff: {err}", file=sys.stderr)
         return err.exit_code
-    result = diff_plans(a, b, identical_bytes=data[0] == data[1])
+    result = diff_plans(a, b, identical_bytes=identical)
     if args.json:
         print(json.dumps({"a": args.plan_a, "b": args.plan_b, **result}, default=str))
     else:
