@@ -19,7 +19,9 @@ the same shape); `--context-limit L` caps every trajectory at L tokens and
 of thousands of short trajectories fits in memory: how planning grows with
 the step (the targets are for the paper preset only). For example
 `--preset small --trajectories 40000 --context-limit 8192
---system-prompt-tokens 500` is ~40,000 trajectories and ~100M tokens.
+--system-prompt-tokens 500` is 40,001 trajectories and 162M tokens (`harts gen
+--preset small --target-trajectories 40000 --context-limit 8192 --system-prompt-tokens 500
+--dry-run` prints the same sizes).
 """
 from __future__ import annotations
 
