@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from harts.executor.layout import MODES
-from harts.executor.losses import LOGPROB_POSITIONS, LOSSES, REDUCTIONS, LossConfig, position_weights
+from harts.executor.losses import LOGPROB_POSITIONS, LOSSES, REDUCTIONS, VALUE, LossConfig, position_weights
 from harts.executor.models.registry import runner_class
 from harts.executor.ops.linear_attention.backend import select_backend
 from harts.progress import quiet_library_progress, terminal_progress
@@ -51,8 +51,9 @@ def check_model_type(model_dir: str) -> None:
                          f"{', '.join(sorted(RUNNERS))} (harts init-model writes one)")
 
 
-def load_model(model_dir: str, dtype: str = "float32"):
-    """Load from local disk only; one clear line when the directory is not a complete model."""
+def load_model(model_dir: str, dtype: str = "float32", critic: bool = False):
+    """Load from local disk only; one clear line when the directory is not a complete model. `critic` loads
+    it as a token-classification model with one label (`--loss value`), a causal LM otherwise."""
     path = Path(model_dir)
     if not path.is_dir():
         what = "not a folder" if path.exists() else "no such folder"
@@ -62,9 +63,13 @@ def load_model(model_dir: str, dtype: str = "float32"):
     if not (path / "config.json").is_file():
         raise HartsError(f"{model_dir}: no config.json; fix: pass a Hugging Face model directory "
                          "(harts init-model writes one)")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     from transformers.utils import logging as hf_logging
+
+    if critic:
+        check_critic_config(model_dir)
+    auto = AutoModelForTokenClassification if critic else AutoModelForCausalLM
 
     quiet_library_progress()
     verbosity = hf_logging.get_verbosity()
@@ -72,8 +77,8 @@ def load_model(model_dir: str, dtype: str = "float32"):
     # pointing at that table); HARTS says it in one line from the loading info instead.
     hf_logging.set_verbosity_error()
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=getattr(torch, dtype),
-                                                           ignore_mismatched_sizes=True, output_loading_info=True)
+        model, info = auto.from_pretrained(path, local_files_only=True, dtype=getattr(torch, dtype),
+                                           ignore_mismatched_sizes=True, output_loading_info=True)
     except _load_errors() as err:
         first = (str(err).strip().splitlines() or [""])[0]
         raise HartsError(f"{model_dir}: cannot load the model ({type(err).__name__}: {first}); "
@@ -83,6 +88,26 @@ def load_model(model_dir: str, dtype: str = "float32"):
         hf_logging.set_verbosity(verbosity)
     check_loaded_weights(model_dir, info)
     return model.train(False)
+
+
+def check_critic_config(model_dir: str) -> None:
+    """Refuse, before any weights load, a `--loss value` model transformers cannot load as a critic with one
+    value per position (a family without a token-classification class, or num_labels other than 1)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return   # the load says so
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if isinstance(model_type, str) and model_type not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
+        raise HartsError(f"{model_dir}: transformers has no token-classification (critic) class for model type "
+                         f"{model_type!r}; fix: train this family's critic from Python, harts.api.run(plan, model, "
+                         "loss='value', value_head=...) (docs/integration.md#a-critic)")
+    labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
+    if labels != 1:
+        raise HartsError(f"{model_dir}: --loss value reads one value per position, but the config has {labels} "
+                         "labels; fix: save the critic with num_labels=1 (a value head of one output)")
 
 
 def check_loaded_weights(model_dir: str, info: dict) -> None:
@@ -128,7 +153,8 @@ def check_outputs(plan: str, model_dir: str, outputs: list[str]) -> None:
         model_files = []
     # A symlink is written through, so a link and its target are one file.
     targets = [(path, check_output_path(path, inputs=(plan, *model_files))) for path in outputs]
-    refuse_one_file(targets, "--logprobs-out and --grads-out name the same file", "give each output its own file name")
+    refuse_one_file(targets, "two of --logprobs-out, --values-out and --grads-out name the same file",
+                    "give each output its own file name")
 
 
 def logprobs_bytes(logprobs: dict) -> bytes:
@@ -164,6 +190,17 @@ def check_npz_ids(ids) -> None:
                              "trees.jsonl and recompile, or take log-probabilities from harts.api.run")
 
 
+def read_npz(path: str, flag: str) -> dict:
+    """An .npz of per-trajectory float arrays (as --logprobs-out writes) as a dict; one line when it is not."""
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return {key: archive[key] for key in archive.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise UsageError(f"{flag} {path}: cannot read it as an .npz ({type(err).__name__}: {first}); fix: write it "
+                         "with numpy.savez, one float array per trajectory keyed by str(id)") from None
+
+
 def grads_bytes(grads: dict) -> bytes:
     """A .safetensors of every parameter's gradient, keyed by parameter name."""
     from safetensors.torch import save
@@ -171,11 +208,13 @@ def grads_bytes(grads: dict) -> bytes:
     return save({k: v.detach().cpu().contiguous() for k, v in grads.items()})
 
 
-def write_outputs(result, logprobs_out: str | None, grads_out: str | None) -> None:
-    """Write the requested outputs as one: both files appear, or neither does."""
+def write_outputs(result, logprobs_out: str | None, grads_out: str | None, values_out: str | None = None) -> None:
+    """Write the requested outputs as one: all files appear, or none does."""
     files = {}
     if logprobs_out is not None:
         files[logprobs_out] = logprobs_bytes(result.logprobs)
+    if values_out is not None:
+        files[values_out] = logprobs_bytes(result.values)
     if grads_out is not None:
         files[grads_out] = grads_bytes(result.grads)
     if files:
@@ -208,8 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-windows", action="store_true",
                    help="run every consumer of an L1+L2 plan on its complete layout, without its window "
                         "producer's reuse (baseline; same results)")
-    p.add_argument("--loss", choices=LOSSES,
-                   help="objective (default nll: token-mean NLL; custom with --objective)")
+    p.add_argument("--loss", choices=LOSSES + (VALUE,),
+                   help="objective (default nll: token-mean NLL; custom with --objective; value trains a critic "
+                        "saved as a token-classification model with one label, on --returns)")
     p.add_argument("--objective", metavar="MODULE:FUNCTION",
                    help="your own objective, FUNCTION(logprobs, inputs) -> this microbatch's share as a scalar "
                         "tensor, from an importable module or a PATH.py (implies --loss custom; "
@@ -234,6 +274,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--entropy", action="store_true",
                    help="report the trained positions' entropy (\"entropy\" in --json) without training on it "
                         "(one more pass over the logits)")
+    p.add_argument("--returns", metavar="NPZ",
+                   help="--loss value: the targets, one float array per trajectory keyed by str(id) (as "
+                        "--logprobs-out writes; NaN where loss_mask is 0)")
+    p.add_argument("--old-values", metavar="NPZ",
+                   help="--loss value with --value-clip: the values before the update, keyed likewise")
+    p.add_argument("--value-clip", type=float,
+                   help="--loss value: clip new values within old values +- this (PPO's clipped value loss; "
+                        "default off)")
+    p.add_argument("--values-out", help="--loss value: write per-trajectory values (.npz keyed by str(id), aligned "
+                                        "as log-probabilities: value i is read before token i, NaN at 0)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model dtype (default float32)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the model runs (default auto: cuda when available, one GPU per torchrun rank; "
@@ -259,6 +309,14 @@ def flag_conflict(args) -> str | None:
         return "--no-replay has no meaning with --mode expanded (nothing is handed over); fix: drop one of them"
     if args.forward_only and args.grads_out is not None:
         return "--grads-out needs the backward pass; fix: drop --forward-only"
+    critic_flags = [flag for flag, value in (("--returns", args.returns), ("--old-values", args.old_values),
+                                             ("--value-clip", args.value_clip), ("--values-out", args.values_out))
+                    if value is not None]
+    if args.loss != VALUE and critic_flags:
+        return f"{critic_flags[0]} is read by --loss value only; fix: pass --loss value to train a critic, or drop it"
+    if args.loss == VALUE and args.logprobs_out is not None:
+        return "--loss value runs a value head, not the LM head: there are no log-probabilities; fix: write " \
+               "--values-out instead of --logprobs-out"
     return None
 
 
@@ -277,7 +335,8 @@ def loss_config(args) -> LossConfig:
     given = {name: getattr(args, name) for name in _POLICY_FLAGS if getattr(args, name) is not None}
     objective = load_objective(args.objective) if args.objective is not None else None
     return LossConfig(kind=kind, moe_aux_coef=args.moe_aux_coef, moe_z_coef=args.moe_z_coef,
-                      entropy_coef=args.entropy_coef, reduction=args.reduction, objective=objective, **given)
+                      entropy_coef=args.entropy_coef, reduction=args.reduction, objective=objective,
+                      value_clip=args.value_clip, **given)
 
 
 def load_objective(spec: str):
@@ -320,6 +379,7 @@ def load_objective(spec: str):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from harts.executor.critic import critic_targets
     from harts.executor.runtime import run_step
 
     mode = "nodewise" if args.no_replay else args.mode
@@ -335,20 +395,24 @@ def main(argv: list[str] | None = None) -> int:
         # Every input check comes before the model loads and the step runs: a
         # bad output path must not cost a whole step, nor leave one file of two.
         # An empty path (`--logprobs-out "$UNSET"`) is refused there, not taken as "no output".
-        check_outputs(args.plan, args.model, [p for p in (args.logprobs_out, args.grads_out) if p is not None])
+        check_outputs(args.plan, args.model,
+                      [p for p in (args.logprobs_out, args.values_out, args.grads_out) if p is not None])
         plan = read_plan(args.plan)
         if not args.no_check:
             # The executor trusts the plan's index tables: a broken invariant would run to wrong
             # log-probabilities or fail midway, so it is refused before any work.
             require_valid_plan(args.plan, plan)
-        if args.logprobs_out is not None:
+        if args.logprobs_out is not None or args.values_out is not None:
             check_npz_ids(plan.step["ids"])
+        returns, old_values = (critic_targets(plan, read_npz(path, flag), flag.removeprefix("--").replace("-", "_"))
+                               if path is not None else None
+                               for flag, path in (("--returns", args.returns), ("--old-values", args.old_values)))
         if distributed.launched_by_torchrun():
             distributed.check_world_size(int(plan.flags["dp"]))
         device = model_device(args.device)
         # HARTS_LINEAR_ATTENTION checked before the model loads; the backend itself is known after.
         select_backend(device, int(plan.flags["chunk_size"]))
-        model = load_model(args.model, args.dtype)
+        model = load_model(args.model, args.dtype, critic=loss.kind == VALUE)
         selected = None
         if distributed.launched_by_torchrun():
             group = distributed.init_data_parallel(int(plan.flags["dp"]), device)
@@ -363,12 +427,12 @@ def main(argv: list[str] | None = None) -> int:
             result = run_step(plan, model, mode=mode, loss=loss, backward=not args.forward_only,
                               recompute=args.recompute, microbatches=selected, windows=not args.no_windows,
                               progress=terminal_progress if primary else None, logprobs=args.logprobs,
-                              entropy=args.entropy)
+                              entropy=args.entropy, returns=returns, old_values=old_values)
         if selected is not None:
             distributed.all_reduce_result(result, model)
         with _together(selected is not None, device, "writing the outputs"):
             if primary:
-                write_outputs(result, args.logprobs_out, args.grads_out)
+                write_outputs(result, args.logprobs_out, args.grads_out, args.values_out)
         if selected is not None:
             distributed.finish_data_parallel()
     except HartsError as err:   # input, output and usage errors (UsageError: ppo without old_logprobs, a bad flag)
@@ -422,6 +486,8 @@ def report(args, mode: str, plan, result) -> None:
     if args.json:
         line, bad = json_summary(summary)
         print(line)
+        if args.loss == VALUE and args.returns is None:   # the values alone: no targets, so no loss to report
+            bad = [key for key in bad if key not in ("loss", "objective")]
         if bad:
             print(f"harts run: warning: {', '.join(bad)} not finite (NaN or infinity), written as null in --json",
                   file=sys.stderr)

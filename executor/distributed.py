@@ -79,16 +79,20 @@ def microbatches_of_replica(plan, replica: int) -> list[int]:
     return [i for _, i in sorted(mine)]
 
 
-def all_reduce_result(result, model) -> None:
+def all_reduce_result(result, model, value_head=None) -> None:
     """Sum gradients, losses, statistics and log-probabilities over ranks, in place.
 
     Every collective runs on the device of the model's parameters (nccl reduces
     only CUDA tensors). Counts of work are summed, `most_live_producers` and
     `seconds` (the step ends with its slowest rank) are maxima;
-    `microbatch_seconds`, `unit_microbatches` and `producer_seconds` stay this rank's.
+    `microbatch_seconds`, `unit_microbatches` and `producer_seconds` stay this rank's. A critic's
+    `value_head` given apart from the model (`run_step`'s) has its gradients summed too.
     """
     device = next(model.parameters()).device
-    for p in model.parameters():
+    inside = {id(p) for p in model.parameters()}
+    extra = [p for p in value_head.parameters() if id(p) not in inside] if isinstance(value_head, torch.nn.Module) \
+        else []
+    for p in [*model.parameters(), *extra]:
         if not p.requires_grad:   # frozen on every rank alike: nothing to reduce
             continue
         if p.grad is None:
@@ -112,17 +116,22 @@ def all_reduce_result(result, model) -> None:
         load = torch.as_tensor(np.ascontiguousarray(result.moe_load[layer], dtype=np.float64), device=device)
         dist.all_reduce(load)
         result.moe_load[layer] = load.cpu().numpy()
-    # Each trajectory lives on exactly one replica: the others hold NaN for it.
-    # One collective for all of them: values (NaN as 0) and a presence flag.
-    keys = sorted(result.logprobs)
-    values = np.concatenate([np.asarray(result.logprobs[k], dtype=np.float64) for k in keys]) if keys else np.zeros(0)
-    present = ~np.isnan(values)
-    stacked = torch.as_tensor(np.stack([np.nan_to_num(values), present.astype(np.float64)]), device=device)
+    result.logprobs = _merged_positions(result.logprobs, device)
+    result.values = _merged_positions(result.values, device)
+
+
+def _merged_positions(per_trajectory: dict, device) -> dict:
+    """str(id) -> float32[n] from every rank: each trajectory lives on exactly one replica and the others
+    hold NaN for it. One collective for all of them: the numbers (NaN as 0) and a presence flag."""
+    keys = sorted(per_trajectory)
+    numbers = np.concatenate([np.asarray(per_trajectory[k], dtype=np.float64) for k in keys]) if keys else np.zeros(0)
+    present = ~np.isnan(numbers)
+    stacked = torch.as_tensor(np.stack([np.nan_to_num(numbers), present.astype(np.float64)]), device=device)
     dist.all_reduce(stacked)
     stacked = stacked.cpu().numpy()
     merged = np.where(stacked[1] > 0, stacked[0], np.nan).astype(np.float32)
-    bounds = np.cumsum([len(result.logprobs[k]) for k in keys])[:-1]
-    result.logprobs = dict(zip(keys, np.split(merged, bounds)))
+    bounds = np.cumsum([len(per_trajectory[k]) for k in keys])[:-1]
+    return dict(zip(keys, np.split(merged, bounds)))
 
 
 def failure_flags(device: torch.device) -> torch.Tensor:

@@ -18,6 +18,12 @@ losses gives the step loss and sharing rows changes nothing.
   (a sequence-level ratio as in GSPO, a length penalty, a different clip).
   Every trajectory lies whole in one microbatch, so summing the microbatch
   shares gives the step objective and its gradient exactly.
+* `value` (a critic; `harts.api.run(..., returns=...)`): the objective reads
+  the values v a value head gives each position, not log-probabilities:
+  0.5 (v - R)^2 with R the caller's returns, or with `value_clip` c PPO's
+  clipped form 0.5 max((v - R)^2, (clip(v, old - c, old + c) - R)^2) around
+  the caller's old values. Value v_i, like logprobs[i], is read from the
+  hidden state of position i - 1 (the context before token i).
 
 Every kind may add an entropy bonus, -entropy_coef x (the reduction of the
 per-position entropies of the predictive distribution, with the same weights).
@@ -44,7 +50,8 @@ import torch
 
 from harts.schema.errors import UsageError
 
-LOSSES = ("nll", "grpo", "ppo", "custom")
+LOSSES = ("nll", "grpo", "ppo", "custom")   # the policy objectives (harts run --loss)
+VALUE = "value"                               # the critic's objective (harts.api.run with returns)
 REDUCTIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 _DEFAULT_CLIP = 0.2   # both clip bounds; nll and custom objectives leave them at this
 
@@ -53,18 +60,20 @@ _DEFAULT_CLIP = 0.2   # both clip bounds; nll and custom objectives leave them a
 class LossConfig:
     """The objective of a step; every instance holds legal values (checked on construction).
 
-    Invariants: `kind` in LOSSES, `reduction` in REDUCTIONS, 0 <= clip_low < 1
+    Invariants: `kind` in LOSSES or VALUE, `reduction` in REDUCTIONS, 0 <= clip_low < 1
     (the lower clip bound 1 - clip_low stays positive, as a ratio is),
-    clip_high >= 0, the four coefficients finite and >= 0; for nll and
-    custom (which have no ratio to clip and no KL term) the clip fields at
+    clip_high >= 0, the four coefficients finite and >= 0; for nll, custom
+    and value (which have no ratio to clip and no KL term) the clip fields at
     their defaults and kl_coef 0; `objective` a callable exactly when kind
-    is custom. A NaN or an
+    is custom; `value_clip` None or finite and >= 0, and given only with kind
+    value, which also has no entropy bonus (a value head has no predictive
+    distribution). A NaN or an
     infinity here would silently turn the loss and every gradient into NaN,
     so it is refused with a ValueError that names the field, its `harts run`
     flag and the fix.
     """
 
-    kind: str = "nll"          # nll | grpo | ppo | custom
+    kind: str = "nll"          # nll | grpo | ppo | custom | value
     clip_low: float = _DEFAULT_CLIP    # eps_low: ratio clipped below at 1 - clip_low
     clip_high: float = _DEFAULT_CLIP   # eps_high: ratio clipped above at 1 + clip_high
     kl_coef: float = 0.0       # weight of the k3 KL estimate against ref_logprobs (0: off)
@@ -73,9 +82,10 @@ class LossConfig:
     entropy_coef: float = 0.0  # weight of the entropy bonus: the objective subtracts entropy_coef x entropy
     reduction: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
     objective: "Objective | None" = None   # kind custom: the caller's objective (`Objective`)
+    value_clip: float | None = None   # kind value: clip the new values within old_values +- value_clip (None: off)
 
     def __post_init__(self) -> None:
-        _check_choice("kind", "--loss", self.kind, LOSSES)
+        _check_choice("kind", "--loss", self.kind, LOSSES + (VALUE,))
         _check_choice("reduction", "--reduction", self.reduction, REDUCTIONS)
         _check_number("clip_low", self.clip_low, upper=1.0,
                       fix="pass --clip-low in [0, 1), e.g. 0.2 (the ratio is clipped below at 1 - clip_low)")
@@ -83,12 +93,12 @@ class LossConfig:
         for name in ("kl_coef", "moe_aux_coef", "moe_z_coef", "entropy_coef"):
             _check_number(name, getattr(self, name), fix=f"pass {_flag(name)} >= 0 (0 turns the term off)")
         for name in ("clip_low", "clip_high"):
-            if self.kind in ("nll", "custom") and getattr(self, name) != _DEFAULT_CLIP:
+            if self.kind in ("nll", "custom", VALUE) and getattr(self, name) != _DEFAULT_CLIP:
                 raise UsageError(f"LossConfig.{name} ({_flag(name)}) = {getattr(self, name)!r} has no effect with "
                                  f"kind '{self.kind}' (it clips the grpo/ppo ratio); fix: leave it at "
                                  f"{_DEFAULT_CLIP}" + (", or pick kind 'grpo' or 'ppo'" if self.kind == "nll"
                                                        else " and clip inside your objective"))
-        if self.kind in ("nll", "custom") and self.kl_coef:
+        if self.kind in ("nll", "custom", VALUE) and self.kl_coef:
             raise UsageError(f"LossConfig.kl_coef (--kl-coef) = {self.kl_coef!r} has no effect with kind "
                              f"'{self.kind}' (the KL term belongs to the grpo/ppo policy loss); fix: set kl_coef "
                              "to 0" + (", or pick kind 'grpo' or 'ppo'" if self.kind == "nll"
@@ -100,6 +110,14 @@ class LossConfig:
         if self.kind != "custom" and self.objective is not None:
             raise UsageError(f"LossConfig.objective is given with kind '{self.kind}', which would ignore it; "
                              "fix: pass kind='custom' to use your objective, or drop objective")
+        if self.value_clip is not None:
+            _check_number("value_clip", self.value_clip, fix="pass value_clip >= 0, e.g. 0.2, or None (no clip)")
+            if self.kind != VALUE:
+                raise UsageError(f"LossConfig.value_clip = {self.value_clip!r} has no effect with kind "
+                                 f"'{self.kind}' (it clips a critic's values); fix: drop it, or pick kind 'value'")
+        if self.kind == VALUE and self.entropy_coef:
+            raise UsageError(f"LossConfig.entropy_coef = {self.entropy_coef!r} has no meaning with kind 'value' "
+                             "(a value head has no predictive distribution); fix: set entropy_coef to 0")
 
 
 def _flag(name: str) -> str:
@@ -184,6 +202,10 @@ class PositionMeta:
     # With entropies on (`run_step(entropy=True)` or `entropy_coef` > 0): each position's predictive entropy,
     # float64 and differentiable (a custom objective may select tokens by it or weigh it); else None.
     entropy: torch.Tensor | None = None
+    # Kind value only: the caller's returns and old values (float64, as given; None for old values without
+    # value_clip). Untrained positions may hold anything (NaN included): the loss never reads them.
+    returns: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
 
 
 # The caller's objective (`LossConfig(kind="custom", objective=...)`): this microbatch's share of the step
@@ -210,6 +232,55 @@ def check_objective_inputs(old_logprobs, ref_logprobs, weights: np.ndarray, conf
     if config.kind != "nll" and config.kl_coef and ref_logprobs is None:
         raise UsageError(f"--kl-coef {config.kl_coef} needs ref_logprobs, but the step has none; fix: give "
                          "ref_logprobs (in trees.jsonl, or to compile_trajectories), or set the KL weight to 0")
+
+
+def check_value_inputs(returns, old_values, weights: np.ndarray, config: LossConfig, backward: bool = True) -> None:
+    """Refuse, before anything runs, a critic step whose targets are missing where the loss reads them.
+
+    `returns` / `old_values` are flat float64 arrays over the step's positions (or None); the value loss
+    reads returns at every trained position, and old values there when `value_clip` is set. A forward
+    pass without returns only reads the values (the old values GAE needs): nothing to check. Values
+    given to a policy loss are refused too: they would be silently ignored.
+    """
+    if config.kind != VALUE:
+        if returns is not None or old_values is not None:
+            raise UsageError(f"returns and old_values are read by loss 'value' only, not '{config.kind}'; fix: pass "
+                             "loss='value' to train a critic, or drop them")
+        return
+    if returns is None and not backward:
+        return
+    trained = weights > 0
+    for name, given, needed in (("returns", returns, True), ("old_values", old_values, config.value_clip is not None)):
+        if not needed:
+            continue
+        if given is None:
+            why = "" if name == "returns" else f" (value_clip = {config.value_clip} clips around them)"
+            raise UsageError(f"loss 'value' needs {name}{why}; fix: pass {name}=..., one float per token of "
+                             "every trajectory" + (" (or backward=False for the values alone)" if name == "returns"
+                                                   else ", or value_clip=None"))
+        bad = np.flatnonzero(trained & ~np.isfinite(given))
+        if len(bad):
+            raise UsageError(f"{name} is {given[bad[0]]} at flat position {int(bad[0])}, which the value loss "
+                             f"trains (loss_mask 1); fix: give a finite value at every trained position")
+    if old_values is not None and config.value_clip is None:
+        raise UsageError("old_values is given but value_clip is None, so nothing reads it; fix: set value_clip "
+                         "(e.g. 0.2) to clip around them, or drop old_values")
+
+
+def value_loss(values_P: torch.Tensor, meta: PositionMeta, config: LossConfig) -> torch.Tensor:
+    """This microbatch's share of the critic's loss: sum over its positions of weight x 0.5 (v - R)^2, or PPO's
+    clipped 0.5 max((v - R)^2, (clip(v, old - c, old + c) - R)^2) with c = `value_clip`."""
+    v = values_P.to(torch.float64)
+    weight = meta.weight.to(torch.float64)
+    trained = weight > 0
+    # Untrained positions read v itself: weight 0 would not cancel a NaN target, in the loss or its gradient.
+    target = torch.where(trained, meta.returns.to(torch.float64), v.detach())
+    per_position = (v - target) ** 2
+    if config.value_clip is not None:
+        old = torch.where(trained, meta.old_values.to(torch.float64), v.detach())
+        clipped = old + torch.clamp(v - old, -config.value_clip, config.value_clip)
+        per_position = torch.maximum(per_position, (clipped - target) ** 2)
+    return 0.5 * (per_position * weight).sum()
 
 
 def policy_loss(logprobs_P: torch.Tensor, meta: PositionMeta, config: LossConfig) -> torch.Tensor:

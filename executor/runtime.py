@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import operator
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from harts.executor.critic import flat_targets, head_values, value_head_of
 from harts.executor.layout import MODES, build_layout, expanded_groups
-from harts.executor.losses import (LOGPROB_POSITIONS, LossConfig, PositionMeta, check_objective_inputs, policy_loss,
-                                    position_weights, trained_counts)
+from harts.executor.losses import (LOGPROB_POSITIONS, LossConfig, PositionMeta, check_objective_inputs,
+                                    check_value_inputs, policy_loss, position_weights, trained_counts, value_loss)
 from harts.executor.models.moe import MoEStatistics
 from harts.executor.models.registry import runner_for
 from harts.executor.ops.linear_attention.chunk import clear_round_layouts
@@ -56,23 +59,30 @@ class StepResult:
     # trained positions); None unless asked for (`entropy=True`) or weighed (`LossConfig.entropy_coef`), and
     # None on a step with no trained position.
     entropy: float | None = None
+    # Loss 'value' (a critic): str(id) -> float32[n], the value head's output for each position (v_i read
+    # where logprobs[i] would be, NaN at index 0); `logprobs` is then empty and `loss` the value loss.
+    values: dict = field(default_factory=dict)
 
 
-def _meta(plan: Plan, offsets: np.ndarray, flat: np.ndarray, weights: np.ndarray, counts: tuple[int, int],
-          device: torch.device) -> PositionMeta:
+def _meta(step_inputs: "_StepInputs", flat: np.ndarray) -> PositionMeta:
     """The objective's per-position inputs of one microbatch (positions `flat`), moved in one copy."""
-    step = plan.step
+    step, offsets = step_inputs.plan.step, step_inputs.offsets
     trajectory = np.searchsorted(offsets, flat, side="right") - 1
-    arrays = {"weight": weights[flat], "trajectory": trajectory, "position": flat - offsets[trajectory],
+    arrays = {"weight": step_inputs.weights[flat], "trajectory": trajectory, "position": flat - offsets[trajectory],
               "loss_mask": np.asarray(step["loss_mask"])[flat].astype(np.float64)}
     for key in ("advantages", "old_logprobs", "ref_logprobs"):   # selected first: converting is per position
         if step.get(key) is not None:
             arrays[key] = np.asarray(step[key])[flat].astype(np.float64)
-    moved = dict(zip(arrays, to_device(list(arrays.values()), device)))
+    for key in ("returns", "old_values"):
+        if getattr(step_inputs, key) is not None:
+            arrays[key] = getattr(step_inputs, key)[flat]
+    moved = dict(zip(arrays, to_device(list(arrays.values()), step_inputs.device)))
+    counts = step_inputs.counts
     return PositionMeta(weight=moved["weight"], advantages=moved.get("advantages"),
                         old_logprobs=moved.get("old_logprobs"), ref_logprobs=moved.get("ref_logprobs"),
                         trajectory=moved["trajectory"], position=moved["position"], loss_mask=moved["loss_mask"],
-                        trained_positions=counts[0], trained_trajectories=counts[1])
+                        trained_positions=counts[0], trained_trajectories=counts[1],
+                        returns=moved.get("returns"), old_values=moved.get("old_values"))
 
 
 def windows_runnable(plan: Plan) -> bool:
@@ -213,7 +223,8 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
              backward: bool = True, microbatches: list[int] | None = None,
              pack_expanded: bool = True, recompute: bool = False, progress=None,
              windows: bool = True, logprobs: str = "all", accumulate: bool = False,
-             entropy: bool = False, device_timing: bool = False) -> StepResult:
+             entropy: bool = False, device_timing: bool = False, value_head=None,
+             returns: np.ndarray | None = None, old_values: np.ndarray | None = None) -> StepResult:
     """Forward (and backward) of the step's microbatches, in plan order (slot, replica; with
     windows, window by window and replica by replica).
 
@@ -246,6 +257,12 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     `device_timing` waits for the device at every clock read, so `microbatch_seconds` and `producer_seconds`
     are the device's time per unit and per producer (`harts calibrate --plan`); it costs the overlap of host
     and device, so leave it off in training.
+
+    Loss 'value' trains a critic: `value_head` (default: the model's own `score`, with its `dropout`, as a
+    `*ForTokenClassification` with one label has) maps final hidden states [P, D] to values [P, 1] or [P],
+    `returns` and `old_values` (with `loss.value_clip`) are float64 arrays over the step's flat positions,
+    and `StepResult.values` replaces `logprobs`. A head that is not part of the model has its `.grad`
+    zeroed (unless `accumulate`) and filled as the model's are, but is not in `StepResult.grads`.
     """
     check_call(plan, model, backward, loss)
     microbatches = microbatch_indices(plan, microbatches)
@@ -253,12 +270,13 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
         raise UsageError(f"the model is wrapped ({type(model).__name__}); fix: pass the Hugging Face model itself "
                          "(model.module): HARTS splits data parallelism by the plan's replicas (torchrun ... harts "
                          "run, or harts.executor.distributed; see docs/integration.md), not through a wrapper")
+    critic = value_head_of(model, loss, value_head)
     head = getattr(model, "lm_head", None)
-    if head is None:
+    if critic is None and head is None:   # a critic's step never reads the LM head
         raise UsageError(f"the model has no LM head ({type(model).__name__}: no lm_head layer), and HARTS recovers "
                          "log-probabilities through it; fix: pass the causal-LM model "
                          "(AutoModelForCausalLM.from_pretrained), not its base model")
-    if not isinstance(head, torch.nn.Linear):
+    if critic is None and not isinstance(head, torch.nn.Linear):
         raise UsageError(f"the model's lm_head is a {type(head).__name__}, not a torch.nn.Linear: HARTS reads its "
                          "weight to recover log-probabilities blockwise; fix: merge any adapter into the head "
                          "(e.g. PEFT's merge_and_unload) or leave the head out of it")
@@ -272,9 +290,12 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     started = time.perf_counter()
     chunk_size = int(plan.flags["chunk_size"])
     runner = runner_for(model, chunk_size=chunk_size, recompute=recompute)
-    step = _step_inputs(plan, model, runner, mode, loss, pack_expanded, logprobs, entropy)
+    step = _step_inputs(plan, model, runner, mode, loss, pack_expanded, logprobs, entropy, backward, critic,
+                        returns, old_values)
     if backward and not accumulate:
         model.zero_grad(set_to_none=True)
+        if isinstance(critic, torch.nn.Module):
+            critic.zero_grad(set_to_none=True)
     work = _work_units(plan, step.offsets, mode, pack_expanded, microbatches)
     use_windows = windows and mode == "compact" and bool(plan.producers)
     if use_windows and not windows_runnable(plan):
@@ -332,19 +353,29 @@ class _StepInputs:
     with_entropy: bool
     moe_scale: float             # 1 / moe_units: each unit's MoE terms enter as the step's mean
     top_k: int
-    lm_head_weight: torch.Tensor
+    lm_head_weight: torch.Tensor | None   # None for a critic (loss 'value'): the LM head is not read
+    value_head: Callable | None = None    # loss 'value': final hidden states [P, D] -> values
+    returns: np.ndarray | None = None     # loss 'value': float64 per flat position
+    old_values: np.ndarray | None = None
 
 
 def _step_inputs(plan: Plan, model, runner, mode: str, loss: LossConfig, pack_expanded: bool, logprobs: str,
-                 entropy: bool) -> _StepInputs:
+                 entropy: bool, backward: bool, value_head=None, returns=None, old_values=None) -> _StepInputs:
     offsets = np.asarray(plan.step["token_offsets"], dtype=np.int64)
     weights = position_weights(plan.step["loss_mask"], offsets, loss.reduction)
     check_objective_inputs(plan.step.get("old_logprobs"), plan.step.get("ref_logprobs"), weights, loss)
+    returns, old_values = (flat_targets(name, given, len(weights))
+                           for name, given in (("returns", returns), ("old_values", old_values)))
+    check_value_inputs(returns, old_values, weights, loss, backward)
+    if entropy and value_head is not None:
+        raise UsageError("entropy=True asks for the policy's entropies, but loss 'value' runs a value head; fix: "
+                         "drop entropy for the critic's step")
     return _StepInputs(plan=plan, offsets=offsets, weights=weights, counts=trained_counts(weights, offsets),
                        device=next(model.parameters()).device, loss=loss, loss_positions_only=logprobs == "loss",
                        with_entropy=entropy or loss.entropy_coef > 0,
                        moe_scale=1.0 / moe_units(plan, offsets, mode, pack_expanded), top_k=runner.top_k,
-                       lm_head_weight=model.lm_head.weight)
+                       lm_head_weight=None if value_head is not None else model.lm_head.weight,
+                       value_head=value_head, returns=returns, old_values=old_values)
 
 
 def _work_units(plan: Plan, offsets: np.ndarray, mode: str, pack_expanded: bool,
@@ -368,15 +399,15 @@ class _MicrobatchResult:
     """One unit's outputs, still on the device: read back after the last unit, so the host never waits for
     a unit's kernels before queueing the next one's (on an accelerator)."""
     flat: np.ndarray             # the flat positions whose log-probabilities it recovered
-    logprobs: torch.Tensor       # float32, aligned with `flat`
+    logprobs: torch.Tensor       # float32, aligned with `flat` (a critic's values for loss 'value')
     sums: tuple                  # 0-d tensors: policy loss, MoE aux, MoE z, weighted entropy
     loads: dict                  # MoE layer -> expert loads
     rows: int                    # decoder rows it ran (its producer's are the schedule's)
 
 
 def _run_microbatch(step: _StepInputs, runner, layout, window, backward: bool) -> _MicrobatchResult:
-    """Forward one unit, recover its positions' log-probabilities, and (with `backward`) backpropagate its
-    share of the step's objective."""
+    """Forward one unit, recover its positions' log-probabilities (a critic: values), and (with `backward`)
+    backpropagate its share of the step's objective."""
     stats = MoEStatistics()
     with torch.set_grad_enabled(backward):
         hidden = runner.hidden_states(layout, stats, window)
@@ -387,19 +418,26 @@ def _run_microbatch(step: _StepInputs, runner, layout, window, backward: bool) -
             kept = np.flatnonzero(step.weights[flat] > 0)
             flat, (kept_index,) = flat[kept], to_device([kept], step.device)
             reads, labels = reads.index_select(0, kept_index), labels.index_select(0, kept_index)
-        meta = _meta(step.plan, step.offsets, flat, step.weights, step.counts, step.device)
-        # A window consumer's producer owns the normalizers of the rows it caches (computed once per window).
-        supplied = window.supplied_normalizers(kept, step.lm_head_weight, step.with_entropy)
-        if step.with_entropy:
-            lam, entropy_P = position_logprobs_and_entropy(hidden, step.lm_head_weight, reads, labels,
-                                                           supplied=supplied)
-            meta = dataclasses.replace(meta, entropy=entropy_P.to(torch.float64))
-            mb_entropy = (meta.entropy * meta.weight).sum()
-        else:
-            lam = position_logprobs(hidden, step.lm_head_weight, reads, labels, supplied=supplied)
-            mb_entropy = torch.zeros((), dtype=torch.float64, device=step.device)
+        meta = _meta(step, flat)
+        mb_entropy = torch.zeros((), dtype=torch.float64, device=step.device)
         loss = step.loss
-        mb_loss = policy_loss(lam, meta, loss)
+        if step.value_head is not None:
+            # A critic: the value of position i is read at the row whose logits would score token i.
+            lam = head_values(step.value_head, hidden.index_select(0, reads))
+            # A forward pass for the values alone (no returns yet: GAE needs these first) has no loss.
+            mb_loss = value_loss(lam, meta, loss) if meta.returns is not None else \
+                torch.full((), math.nan, dtype=torch.float64, device=step.device)
+        else:
+            # A window consumer's producer owns the normalizers of the rows it caches (computed once per window).
+            supplied = window.supplied_normalizers(kept, step.lm_head_weight, step.with_entropy)
+            if step.with_entropy:
+                lam, entropy_P = position_logprobs_and_entropy(hidden, step.lm_head_weight, reads, labels,
+                                                               supplied=supplied)
+                meta = dataclasses.replace(meta, entropy=entropy_P.to(torch.float64))
+                mb_entropy = (meta.entropy * meta.weight).sum()
+            else:
+                lam = position_logprobs(hidden, step.lm_head_weight, reads, labels, supplied=supplied)
+            mb_loss = policy_loss(lam, meta, loss)
         aux, z = stats.aux_loss(step.top_k) * step.moe_scale, stats.z_loss() * step.moe_scale
         objective = mb_loss + loss.moe_aux_coef * aux + loss.moe_z_coef * z
         if loss.entropy_coef:
@@ -428,7 +466,8 @@ def _step_result(plan: Plan, model, step: _StepInputs, finished: list[_Microbatc
         for layer, load in unit.loads.items():
             loads[layer] = loads.get(layer, 0) + load.cpu().numpy()
     ids = plan.step["ids"]
-    logprobs = {str(ids[t]): flat_logprobs[offsets[t]:offsets[t + 1]].copy() for t in range(len(ids))}
+    per_trajectory = {str(ids[t]): flat_logprobs[offsets[t]:offsets[t + 1]].copy() for t in range(len(ids))}
+    logprobs, values = ({}, per_trajectory) if step.value_head is not None else (per_trajectory, {})
     grads = trainable_gradients(model) if backward else {}
     loss = step.loss
     objective_total = (total_loss + loss.moe_aux_coef * aux_total + loss.moe_z_coef * z_total
@@ -440,4 +479,4 @@ def _step_result(plan: Plan, model, step: _StepInputs, finished: list[_Microbatc
                       producer_seconds=dict(schedule.producer_seconds), producers_run=schedule.producers_run,
                       producer_backward_passes=schedule.backward_passes, most_live_producers=schedule.most_live,
                       # No trained position: no entropy to report (0.0 would read as a collapsed policy).
-                      entropy=entropy_total if step.with_entropy and step.counts[0] else None)
+                      entropy=entropy_total if step.with_entropy and step.counts[0] else None, values=values)

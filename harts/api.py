@@ -29,6 +29,7 @@ import numpy as np
 from harts.compiler.ir.trajectories import TrajectoryBatch, never_read, positive_logprob_warnings
 from harts.compiler.pipeline import CompileOptions, check_options, compile_batch
 from harts.executor.losses import LossConfig, Objective, PositionMeta
+from harts.executor.critic import critic_targets
 from harts.executor.runtime import StepResult, run_step
 from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
 from harts.schema.plan import Plan, write_plan
@@ -297,7 +298,7 @@ def read_plan(path, *, check: bool = True) -> Plan:
 def run(plan: Plan, model, *, loss: str | LossConfig | Objective = "nll", mode: str = "compact",
         backward: bool = True, recompute: bool = False, windows: bool = True,
         logprobs: str = "all", accumulate: bool = False, entropy: bool = False,
-        device_timing: bool = False) -> StepResult:
+        device_timing: bool = False, returns=None, old_values=None, value_head=None) -> StepResult:
     """Run the step on `model`. The parameters' `.grad` are zeroed first and then hold the
     gradient of the step's objective (as one backward over the whole step would leave them);
     `accumulate` keeps what `.grad` holds and adds this step's gradient to it (several plans
@@ -313,7 +314,15 @@ def run(plan: Plan, model, *, loss: str | LossConfig | Objective = "nll", mode: 
 
     `loss` is a built-in's name, a `LossConfig`, or your own objective: a callable
     (logprobs, inputs: PositionMeta) -> this microbatch's share of the step objective
-    (shorthand for `LossConfig(kind="custom", objective=...)`; docs/integration.md#custom-objectives)."""
+    (shorthand for `LossConfig(kind="custom", objective=...)`; docs/integration.md#custom-objectives).
+
+    `loss="value"` (or `LossConfig(kind="value", value_clip=0.2)`) trains a critic on the same plan: `model`
+    is the critic (a `*ForTokenClassification` with one label, or any supported model with `value_head`, a
+    module [P, hidden] -> [P, 1]); `returns`, and with `value_clip` `old_values`, give one float per token
+    of every trajectory, as a dict keyed by id (str(id), as `StepResult.logprobs` is) or a list in the
+    plan's trajectory order, read where loss_mask is 1 (index 0 and masked positions may be NaN; with
+    backward=False `returns` may be left out, for the values alone);
+    `StepResult.values` holds the values, aligned as log-probabilities are (docs/integration.md#a-critic)."""
     if isinstance(loss, str):
         config = LossConfig(kind=loss)
     elif isinstance(loss, LossConfig):
@@ -323,5 +332,8 @@ def run(plan: Plan, model, *, loss: str | LossConfig | Objective = "nll", mode: 
     else:
         raise UsageError(f"loss must be a loss name, a LossConfig or a callable objective, got "
                          f"{type(loss).__name__}; fix: pass e.g. loss='grpo' or loss=LossConfig(kind='ppo')")
+    targets = {name: critic_targets(plan, given, name) if isinstance(plan, Plan) else None
+               for name, given in (("returns", returns), ("old_values", old_values))}
     return run_step(plan, model, mode=mode, loss=config, backward=backward, recompute=recompute, windows=windows,
-                    logprobs=logprobs, accumulate=accumulate, entropy=entropy, device_timing=device_timing)
+                    logprobs=logprobs, accumulate=accumulate, entropy=entropy, device_timing=device_timing,
+                    value_head=value_head, **targets)

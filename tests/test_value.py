@@ -1,0 +1,311 @@
+"""Loss 'value': training a critic on the plan, against the Hugging Face critic run per trajectory.
+
+Run: `python -m pytest tests/test_value.py -q`. The references are the models' own forwards: a
+`Qwen3NextForTokenClassification` with one label (`critic(ids).logits`), and a Kimi Linear backbone
+(`model.model(ids).last_hidden_state`) under a separate linear head, each run on every trajectory alone
+and differentiated through PPO's clipped value loss (or the plain squared error) written out here.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import harts.api as harts
+from harts.executor.losses import LossConfig
+from harts.executor.runtime import run_step
+from harts.schema.errors import UsageError
+
+from fidelity import VOCAB, boundary_tree, compile_lists, gradient_floor, relative_error, tiny_kimi_linear
+
+CLIP = 0.2
+
+
+def two_trees() -> list[list[int]]:
+    return boundary_tree(np.random.default_rng(0)) + boundary_tree(np.random.default_rng(5))
+
+
+@pytest.fixture(scope="module")
+def qwen_critic():
+    from transformers import Qwen3NextForTokenClassification
+
+    from harts.executor.models.init_model import qwen3_next_config
+
+    torch.manual_seed(0)
+    config = qwen3_next_config("tiny", VOCAB)
+    config.num_labels = 1
+    return Qwen3NextForTokenClassification(config).float().eval()
+
+
+@pytest.fixture(scope="module")
+def kimi():
+    return tiny_kimi_linear()
+
+
+def targets(lists, seed: int):
+    rng = np.random.default_rng(seed)
+    returns = {str(i): rng.normal(size=len(t)) for i, t in enumerate(lists)}
+    old = {str(i): rng.normal(scale=0.1, size=len(t)) for i, t in enumerate(lists)}
+    return returns, old
+
+
+def reference(values_of, parameters, lists, returns, old, clip, masks=None):
+    """Per-trajectory values (v_i from the hidden state of position i - 1) and the gradients of the
+    step's token-mean value loss, every trajectory run alone."""
+    for p in parameters:
+        p.grad = None
+    total, count, values = 0.0, 0, []
+    for i, tokens in enumerate(lists):
+        v = values_of(torch.tensor([tokens]))[:-1].double()   # positions 1 .. n - 1
+        values.append(v.detach().numpy())
+        trained = torch.ones(len(tokens) - 1, dtype=torch.float64) if masks is None else \
+            torch.tensor(masks[i][1:], dtype=torch.float64)
+        ret = torch.tensor(np.nan_to_num(returns[str(i)][1:]))   # NaN only where untrained
+        terms = (v - ret) ** 2
+        if clip is not None:
+            o = torch.tensor(old[str(i)][1:])
+            terms = torch.maximum(terms, (o + torch.clamp(v - o, -clip, clip) - ret) ** 2)
+        total = total + 0.5 * (terms * trained).sum()
+        count += int(trained.sum())
+    loss = total / count
+    loss.backward()
+    grads = {id(p): p.grad.clone() for p in parameters if p.grad is not None}
+    for p in parameters:
+        p.grad = None
+    return values, float(loss.detach()), grads
+
+
+def assert_values(result, want_values, tol=1e-5):
+    for i, want in enumerate(want_values):
+        got = result.values[str(i)]
+        assert np.isnan(got[0])
+        assert np.max(np.abs(got[1:] - want)) <= tol, i
+
+
+def assert_gradients(got: dict, want: dict) -> None:
+    floor = gradient_floor(want)
+    worst = max((relative_error(got[key], grad, floor), key) for key, grad in want.items())
+    assert worst[0] <= 1e-4, worst
+
+
+def test_a_token_classification_critic_matches_hugging_face_per_trajectory(qwen_critic):
+    """Windows on (producers run), two replicas, clipped loss: values, loss and every gradient as the
+    HF critic's own forward per trajectory gives them."""
+    lists = two_trees()
+    plan = compile_lists(lists, chunk_size=16, dp=2, capacity=250, levels="l1+l2")
+    assert plan.producers, "the workload must give windows something to share"
+    returns, old = targets(lists, 1)
+    result = harts.run(plan, qwen_critic, loss=LossConfig(kind="value", value_clip=CLIP), returns=returns,
+                       old_values=old)
+    assert result.producers_run == len(plan.producers) and result.logprobs == {}
+    names = dict(qwen_critic.named_parameters())
+    want_values, want_loss, want = reference(lambda ids: qwen_critic(ids).logits[0, :, 0], list(names.values()),
+                                             lists, returns, old, CLIP)
+    assert_values(result, want_values)
+    assert abs(result.loss - want_loss) <= 1e-6 * max(1.0, want_loss)
+    assert_gradients({id(names[n]): g for n, g in result.grads.items()}, want)
+    assert "score.weight" in result.grads
+
+    alone = harts.run(plan, qwen_critic, loss=LossConfig(kind="value", value_clip=CLIP), returns=returns,
+                      old_values=old, windows=False)
+    assert alone.producers_run == 0 and abs(alone.loss - result.loss) <= 1e-6 * max(1.0, want_loss)
+
+
+def test_a_backbone_with_its_own_value_head_matches_and_trains_the_head(kimi):
+    """A causal-LM backbone under a separate head, unclipped loss, returns given as a list in plan order,
+    a loss mask: the head's gradient lands in its own .grad, zeroed first; the LM head gets none."""
+    lists = two_trees()
+    rng = np.random.default_rng(2)
+    masks = [(rng.random(len(t)) < 0.7).astype(np.int64) for t in lists]
+    plan = compile_lists(lists, chunk_size=16, capacity=250, levels="l1+l2", loss_masks=masks)
+    torch.manual_seed(1)
+    head = torch.nn.Linear(kimi.config.hidden_size, 1)
+    returns, _ = targets(lists, 3)
+    for i, mask in enumerate(masks):   # untrained positions may hold anything
+        returns[str(i)][mask == 0] = np.nan
+    head.weight.grad = torch.ones_like(head.weight)   # a stale gradient, to be replaced
+    result = harts.run(plan, kimi, loss="value", returns=[returns[str(i)] for i in range(len(lists))],
+                       value_head=head)
+    parameters = [*kimi.parameters(), *head.parameters()]
+    want_values, want_loss, want = reference(lambda ids: head(kimi.model(ids).last_hidden_state)[0, :, 0],
+                                             parameters, lists, returns, None, None, masks)
+    # run_step left the head's .grad; the reference cleared it: compare against a second run.
+    got = run_step(plan, kimi, loss=LossConfig(kind="value"), value_head=head,
+                   returns=np.concatenate([returns[str(i)] for i in range(len(lists))]))
+    assert_values(result, want_values)
+    assert abs(result.loss - want_loss) <= 1e-6 * max(1.0, want_loss) and abs(got.loss - result.loss) <= 1e-12
+    names = dict(kimi.named_parameters())
+    ours = {id(names[n]): g for n, g in got.grads.items()}
+    ours.update({id(p): p.grad for p in head.parameters()})
+    assert_gradients(ours, want)
+    assert float(got.grads["lm_head.weight"].abs().sum()) == 0.0
+
+
+def test_a_forward_pass_without_returns_gives_the_values_gae_needs(qwen_critic):
+    lists = two_trees()
+    plan = compile_lists(lists, chunk_size=16, capacity=250, levels="l1+l2")
+    returns, _ = targets(lists, 9)
+    trained = harts.run(plan, qwen_critic, loss="value", returns=returns)
+    values = harts.run(plan, qwen_critic, loss="value", backward=False)
+    assert np.isnan(values.loss) and values.grads == {}
+    for key, got in values.values.items():
+        np.testing.assert_array_equal(got, trained.values[key])
+    with pytest.raises(UsageError, match="or backward=False for the values alone"):
+        harts.run(plan, qwen_critic, loss="value")
+
+
+def test_expanded_mode_and_loss_positions_agree_with_compact(qwen_critic):
+    lists = two_trees()
+    rng = np.random.default_rng(4)
+    masks = [(rng.random(len(t)) < 0.6).astype(np.int64) for t in lists]
+    plan = compile_lists(lists, chunk_size=16, capacity=250, levels="l1+l2", loss_masks=masks)
+    returns, old = targets(lists, 5)
+    config = LossConfig(kind="value", value_clip=CLIP)
+    compact = harts.run(plan, qwen_critic, loss=config, returns=returns, old_values=old)
+    for other in (harts.run(plan, qwen_critic, loss=config, returns=returns, old_values=old, mode="expanded"),
+                  harts.run(plan, qwen_critic, loss=config, returns=returns, old_values=old, logprobs="loss")):
+        assert abs(other.loss - compact.loss) <= 1e-6 * max(1.0, compact.loss)
+        assert_gradients(other.grads, compact.grads)
+        for key, values in other.values.items():
+            seen = ~np.isnan(values)
+            assert np.max(np.abs(values[seen] - compact.values[key][seen])) <= 1e-5
+
+
+def test_critic_calls_that_cannot_run_are_one_usage_error(kimi, qwen_critic):
+    lists = boundary_tree(np.random.default_rng(0))
+    plan = compile_lists(lists)
+    returns, old = targets(lists, 6)
+    clip = LossConfig(kind="value", value_clip=CLIP)
+    bad_return = {k: v.copy() for k, v in returns.items()}
+    bad_return["3"][5] = np.nan
+    cases = [
+        (dict(model=kimi, loss="value", returns=returns), "no score layer"),
+        (dict(model=qwen_critic, loss="value"), "needs returns"),
+        (dict(model=qwen_critic, loss=clip, returns=returns), "needs old_values"),
+        (dict(model=qwen_critic, loss="value", returns=returns, old_values=old), "value_clip is None"),
+        (dict(model=qwen_critic, loss="value", returns=bad_return), "returns is nan at flat position"),
+        (dict(model=kimi, loss="grpo", returns=returns), "read by loss 'value' only"),
+        (dict(model=kimi, loss="nll", value_head=torch.nn.Linear(8, 1)), "value_head is read by loss 'value'"),
+        (dict(model=qwen_critic, loss="value", returns={k: v for k, v in returns.items() if k != "2"}),
+         "no entry for id '2'"),
+        (dict(model=qwen_critic, loss="value", returns=list(returns.values())[:-1]), "entries for"),
+        (dict(model=qwen_critic, loss="value", returns={**returns, "0": returns["0"][:-1]}), "but tokens has"),
+        (dict(model=qwen_critic, loss="value", returns=returns, entropy=True), "entropy=True"),
+        (dict(model=kimi, loss="value", returns=returns, value_head=torch.nn.Linear(kimi.config.hidden_size, 2)),
+         "one output per position"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            harts.run(plan, **kwargs)
+    with pytest.raises(UsageError, match="no meaning with kind 'value'"):
+        LossConfig(kind="value", entropy_coef=0.1)
+    with pytest.raises(UsageError, match="has no effect with kind 'grpo'"):
+        LossConfig(kind="grpo", value_clip=0.2)
+    with pytest.raises(UsageError, match="value_clip"):
+        LossConfig(kind="value", value_clip=float("nan"))
+
+
+# ----------------------------------------------------------------------------- harts run --loss value
+
+
+@pytest.fixture(scope="module")
+def critic_step(tmp_path_factory, qwen_critic):
+    """A saved critic, a two-replica plan with windows and its returns/old values as .npz files."""
+    import json
+
+    from harts.compiler.cli import main as hartsc
+
+    folder = tmp_path_factory.mktemp("critic")
+    qwen_critic.save_pretrained(folder / "critic")
+    lists = two_trees()
+    rng = np.random.default_rng(8)
+    records = [{"id": f"t{i}", "tokens": [int(x) for x in t],
+                "loss_mask": [int(rng.random() < 0.8) for _ in t]} for i, t in enumerate(lists)]
+    (folder / "trees.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert hartsc([str(folder / "trees.jsonl"), "-o", str(folder / "step.plan"), "--dp", "2", "--capacity", "250",
+                   "--chunk-size", "16"]) == 0
+    returns = {r["id"]: rng.normal(size=len(r["tokens"])) for r in records}
+    old = {r["id"]: rng.normal(scale=0.1, size=len(r["tokens"])) for r in records}
+    np.savez(folder / "returns.npz", **returns)
+    np.savez(folder / "old.npz", **old)
+    return folder, returns, old
+
+
+def test_harts_run_trains_a_saved_critic_as_the_api_does(critic_step, qwen_critic):
+    from safetensors.torch import load_file
+
+    from harts.cli import main as harts_main
+
+    folder, returns, old = critic_step
+    argv = ["run", str(folder / "step.plan"), "--model", str(folder / "critic"), "--loss", "value",
+            "--returns", str(folder / "returns.npz"), "--old-values", str(folder / "old.npz"), "--value-clip", "0.2",
+            "--values-out", str(folder / "values.npz"), "--grads-out", str(folder / "grads.safetensors")]
+    assert harts_main(argv) == 0
+    plan = harts.read_plan(folder / "step.plan")
+    assert plan.producers
+    want = harts.run(plan, qwen_critic, loss=LossConfig(kind="value", value_clip=0.2), returns=returns,
+                     old_values=old)
+    values, grads = np.load(folder / "values.npz"), load_file(folder / "grads.safetensors")
+    assert sorted(values.files) == sorted(want.values)
+    for key, got in want.values.items():   # the loaded model may pick other kernels: float rounding apart
+        np.testing.assert_allclose(values[key], got, rtol=0, atol=1e-6)
+    assert grads.keys() == want.grads.keys()
+    assert_gradients(grads, want.grads)
+
+
+def test_harts_run_refuses_critic_flags_it_cannot_honour(critic_step, tmp_path, capsys):
+    from harts.cli import main as harts_main
+
+    folder, _, _ = critic_step
+    plan, critic, returns = str(folder / "step.plan"), str(folder / "critic"), str(folder / "returns.npz")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "kimi_linear"}')
+    (tmp_path / "broken.npz").write_bytes(b"not an npz")
+    cases = [
+        (["--model", critic, "--returns", returns], "--returns is read by --loss value only"),
+        (["--model", critic, "--loss", "value", "--returns", returns, "--logprobs-out", str(tmp_path / "lp.npz")],
+         "there are no log-probabilities"),
+        (["--model", str(tmp_path / "model"), "--loss", "value", "--returns", returns],
+         "no token-classification (critic) class for model type 'kimi_linear'"),
+        (["--model", critic, "--loss", "value", "--returns", str(tmp_path / "broken.npz")],
+         "cannot read it as an .npz"),
+        (["--model", critic, "--loss", "value"], "needs returns"),
+        (["--model", critic, "--loss", "value", "--returns", returns, "--value-clip", "0.2"], "needs old_values"),
+    ]
+    for extra, message in cases:
+        assert harts_main(["run", plan, *extra]) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0] and "fix:" in err[0], (extra, err)
+
+
+@pytest.mark.skipif(__import__("shutil").which("torchrun") is None, reason="torchrun is not installed")
+def test_two_ranks_train_the_critic_as_one_process(critic_step):
+    """torchrun with the plan's two replicas: the same loss, values and gradients as one process."""
+    import json
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    from test_distributed import torchrun
+
+    folder, _, _ = critic_step
+    common = [str(folder / "step.plan"), "--model", str(folder / "critic"), "--loss", "value", "--returns",
+              str(folder / "returns.npz"), "--old-values", str(folder / "old.npz"), "--value-clip", "0.2", "--json"]
+    single = subprocess.run(["harts", "run", *common, "--values-out", str(folder / "v1.npz"),
+                             "--grads-out", str(folder / "g1.safetensors")],
+                            capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr
+    out = torchrun(2, ["harts", "run", *common, "--values-out", str(folder / "v2.npz"),
+                       "--grads-out", str(folder / "g2.safetensors")])
+    assert out.returncode == 0, out.stderr
+    want, got = json.loads(single.stdout), json.loads(out.stdout)
+    assert got["window_producers"] == want["window_producers"] == 2
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    one, two = load_file(folder / "g1.safetensors"), load_file(folder / "g2.safetensors")
+    assert one.keys() == two.keys()
+    for name, grad in one.items():
+        np.testing.assert_allclose(two[name], grad, rtol=1e-5, atol=1e-7, err_msg=name)
+    v1, v2 = np.load(folder / "v1.npz"), np.load(folder / "v2.npz")
+    assert sorted(v1.files) == sorted(v2.files)
+    for key in v1.files:
+        np.testing.assert_allclose(v2[key][1:], v1[key][1:], rtol=0, atol=1e-6)
