@@ -309,3 +309,22 @@ def test_two_ranks_train_the_critic_as_one_process(critic_step):
     assert sorted(v1.files) == sorted(v2.files)
     for key in v1.files:
         np.testing.assert_allclose(v2[key][1:], v1[key][1:], rtol=0, atol=1e-6)
+
+
+def test_init_model_writes_a_critic_harts_run_trains(critic_step, tmp_path, capsys):
+    from transformers import AutoModelForTokenClassification
+
+    from harts.cli import main as harts_main
+
+    folder, _, _ = critic_step
+    assert harts_main(["init-model", "--arch", "qwen3_next", "--critic", "--vocab-size", str(VOCAB),
+                       "-o", str(tmp_path / "critic")]) == 0
+    critic = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic")
+    assert critic.config.num_labels == 1 and critic.dropout.p == 0.0
+    assert harts_main(["run", str(folder / "step.plan"), "--model", str(tmp_path / "critic"), "--loss", "value",
+                       "--returns", str(folder / "returns.npz"), "--values-out", str(tmp_path / "v.npz")]) == 0
+    assert len(np.load(tmp_path / "v.npz").files) == len(two_trees())
+    capsys.readouterr()
+    assert harts_main(["init-model", "--critic", "-o", str(tmp_path / "kimi")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no token-classification class" in err[0] and not (tmp_path / "kimi").exists()

@@ -29,6 +29,8 @@ from harts.schema.atomic import check_can_create_under
 from harts.schema.errors import HartsError, OutputError, UsageError
 
 ARCHITECTURES = ("kimi_linear", "qwen3_next")
+# Families transformers has a token-classification (critic) class for: `--critic`.
+CRITIC_ARCHITECTURES = ("qwen3_next",)
 PRESETS = ("tiny", "small")
 
 
@@ -117,10 +119,14 @@ MAX_SEED = 2**64 - 1       # torch.manual_seed's range
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
 
 
-def check_arguments(arch: str, preset: str, vocab_size: int, seed: int) -> None:
+def check_arguments(arch: str, preset: str, vocab_size: int, seed: int, critic: bool = False) -> None:
     """Refuse values the model cannot be built from; ValueError naming the flag and the fix."""
     if arch not in ARCHITECTURES:
         raise UsageError(f"--arch {arch}: not supported; fix: use one of {', '.join(ARCHITECTURES)}")
+    if critic and arch not in CRITIC_ARCHITECTURES:
+        raise UsageError(f"--critic --arch {arch}: transformers has no token-classification class for this family; "
+                         f"fix: use --arch {' or '.join(CRITIC_ARCHITECTURES)}, or train a {arch} critic from Python "
+                         "with harts.api.run(..., value_head=...)")
     if preset not in PRESETS:
         raise UsageError(f"--preset {preset}: unknown preset; fix: use one of {', '.join(PRESETS)}")
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
@@ -170,10 +176,18 @@ def check_model_dir(out: str | os.PathLike, *, replace: bool = False) -> Path:
     return target
 
 
-def build_model(arch: str, preset: str, vocab_size: int, seed: int):
-    """A randomly initialised model (float32, eval mode); the same arguments give the same weights."""
+def build_model(arch: str, preset: str, vocab_size: int, seed: int, critic: bool = False):
+    """A randomly initialised model (float32, eval mode); the same arguments give the same weights. `critic`:
+    a token-classification model with one label (a value head, `harts run --loss value`) and no dropout
+    before it, instead of a causal LM."""
     quiet_library_progress()
     torch.manual_seed(seed)
+    if critic:
+        from transformers import Qwen3NextForTokenClassification
+
+        config = qwen3_next_config(preset, vocab_size)
+        config.num_labels, config.classifier_dropout = 1, 0.0
+        return Qwen3NextForTokenClassification(config).float().eval()
     if arch == "qwen3_next":
         from transformers import Qwen3NextForCausalLM
 
@@ -239,15 +253,15 @@ def save_atomically(model, target: Path) -> None:
 
 
 def init_model(arch: str, preset: str, out: str | Path, *, vocab_size: int = 512, seed: int = 0,
-               replace: bool = False):
+               replace: bool = False, critic: bool = False):
     """Build, initialise and save a model to the folder `out`; returns it (float32, eval mode).
 
     Every argument and the target are checked before any work (ValueError,
     OutputError: one line each); the folder appears only when complete.
     """
-    check_arguments(arch, preset, vocab_size, seed)
+    check_arguments(arch, preset, vocab_size, seed, critic)
     target = check_model_dir(out, replace=replace)
-    model = build_model(arch, preset, vocab_size, seed)
+    model = build_model(arch, preset, vocab_size, seed, critic)
     save_atomically(model, target)
     return model
 
@@ -266,17 +280,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", required=True,
                         help="folder to write (config.json + safetensors): new, empty, or an earlier init-model "
                              "output with --replace")
+    parser.add_argument("--critic", action="store_true",
+                        help="write a critic instead: the family's token-classification model with one label, for "
+                             "harts run --loss value (qwen3_next only)")
     parser.add_argument("--replace", action="store_true",
                         help="replace an earlier harts init-model output at -o (never any other folder)")
     args = parser.parse_args(argv)
     try:
         model = init_model(args.arch, args.preset, args.output, vocab_size=args.vocab_size, seed=args.seed,
-                           replace=args.replace)
+                           replace=args.replace, critic=args.critic)
     except HartsError as err:
         print(f"harts init-model: {err}", file=sys.stderr)
         return err.exit_code
     params = sum(p.numel() for p in model.parameters())
-    print(f"harts init-model: {args.arch} ({args.preset}), {params:,} parameters -> {args.output}", file=sys.stderr)
+    kind = ", critic" if args.critic else ""
+    print(f"harts init-model: {args.arch} ({args.preset}{kind}), {params:,} parameters -> {args.output}",
+          file=sys.stderr)
     return 0
 
 
