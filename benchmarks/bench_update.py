@@ -3,6 +3,7 @@
 Usage:
     python benchmarks/bench_update.py [--workloads stepwise,treestep,treestep-branchy] [--preset tiny]
                                       [--capacity 16384] [--device cpu|cuda] [--dtype float32|bfloat16]
+                                      [--loss nll|value]
 
 For each generated workload (step-wise and tree-step, SWE-shaped but scaled
 down so a CPU finishes) and a tiny Kimi Linear model, every configuration runs
@@ -29,6 +30,12 @@ forward + backward of the `nll` loss over the whole step in its own process
 `--logprobs loss` runs our configurations with `harts run --logprobs loss`
 (only the positions the loss weighs are recovered, so the LM head skips
 prompt and tool-output rows); the per-trajectory baseline is unchanged.
+
+`--loss value` trains a critic instead of the policy in every configuration:
+the same backbone under a linear value head (seeded), PPO's value loss
+against fixed random returns (loss 'value'; the baseline runs the head over
+`model.model`'s hidden states, trajectory by trajectory). No LM head runs,
+so the decoder is a larger share of the step than for `nll`.
 
 `--device cuda` runs the model on the GPU (our linear attention then takes
 fla's kernels when they import, see `HARTS_LINEAR_ATTENTION`), waits for the
@@ -78,7 +85,7 @@ def generate(workload: str, vocab: int, out: Path) -> None:
 
 
 def child(config: str, trees: str, model_dir: str, chunk_size: int, capacity: int, repeat: int,
-          max_window_slots: int, logprobs: str, device: str, dtype: str) -> None:
+          max_window_slots: int, logprobs: str, device: str, dtype: str, loss: str = "nll") -> None:
     """Run one configuration `repeat` times and print a JSON line (median seconds, rows, peak memory)."""
     import torch
 
@@ -88,16 +95,36 @@ def child(config: str, trees: str, model_dir: str, chunk_size: int, capacity: in
     torch.manual_seed(0)
     model = load_model(model_dir, dtype).to(device)
     batch = read_trees(trees)
+    critic = Critic.build(model, batch) if loss == "value" else None
     seconds, rows, compression = median_update(config, batch, model, chunk_size, capacity, repeat,
-                                               max_window_slots, logprobs)
+                                               max_window_slots, logprobs, critic)
     peak = (torch.cuda.max_memory_allocated() / 2**20 if device == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     print(json.dumps({"seconds": seconds, "rows": rows, "compression": compression,
                       "peak_mib": peak, "tokens": int(batch.num_tokens)}))
 
 
+class Critic:
+    """Loss 'value' for every configuration: a seeded linear value head on the model's hidden states and
+    fixed random returns, one per position (index 0 and loss_mask 0 unread)."""
+
+    def __init__(self, head, returns: dict):
+        self.head, self.returns = head, returns
+
+    @classmethod
+    def build(cls, model, batch) -> "Critic":
+        import torch
+
+        torch.manual_seed(1)
+        parameter = next(model.parameters())
+        head = torch.nn.Linear(model.config.hidden_size, 1).to(device=parameter.device, dtype=parameter.dtype)
+        rng = np.random.default_rng(0)
+        return cls(head, {str(i): rng.normal(size=len(batch.tokens_of(t))) for t, i in enumerate(batch.ids)})
+
+
 def median_update(config: str, batch, model, chunk_size: int, capacity: int, repeat: int,
-                  max_window_slots: int = 0, logprobs: str = "all") -> tuple[float, int, float]:
+                  max_window_slots: int = 0, logprobs: str = "all", critic: Critic | None = None
+                  ) -> tuple[float, int, float]:
     """(median wall seconds of `repeat` updates, decoder rows, compression); on a GPU each clock read
     waits for the GPU, since kernels run asynchronously and the step ends when they are done."""
     import torch
@@ -106,7 +133,8 @@ def median_update(config: str, batch, model, chunk_size: int, capacity: int, rep
     times = []
     for _ in range(repeat):
         started = time.perf_counter()
-        rows, compression = one_update(config, batch, model, chunk_size, capacity, max_window_slots, logprobs)
+        rows, compression = one_update(config, batch, model, chunk_size, capacity, max_window_slots, logprobs,
+                                       critic)
         if on_gpu:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
@@ -114,11 +142,13 @@ def median_update(config: str, batch, model, chunk_size: int, capacity: int, rep
 
 
 def one_update(config: str, batch, model, chunk_size: int, capacity: int,
-               max_window_slots: int = 0, logprobs: str = "all") -> tuple[int, float]:
+               max_window_slots: int = 0, logprobs: str = "all", critic: Critic | None = None) -> tuple[int, float]:
     """Forward + backward of the whole step (planning included); returns (decoder rows, compression)."""
     import torch
 
     from harts.compiler.pipeline import CompileOptions, compile_batch
+    from harts.executor.critic import critic_targets
+    from harts.executor.losses import LossConfig
     from harts.executor.models.hf_reference import our_kda_core, trajectory_logprobs
     from harts.executor.runtime import run_step
 
@@ -140,8 +170,14 @@ def one_update(config: str, batch, model, chunk_size: int, capacity: int,
             rows = 0
             for t in range(batch.num_trajectories):
                 tokens = batch.tokens_of(t)
-                lp = trajectory_logprobs(model, tokens)
-                (-(lp * masks[t]).sum() / count).backward()
+                if critic is None:
+                    lp = trajectory_logprobs(model, tokens)
+                    (-(lp * masks[t]).sum() / count).backward()
+                else:   # value i from the hidden state before token i, as loss 'value' reads it
+                    ids = torch.as_tensor(tokens, dtype=torch.long, device=device)[None]
+                    values = critic.head(model.model(input_ids=ids).last_hidden_state[0, :-1])[:, 0].double()
+                    target = torch.as_tensor(critic.returns[str(batch.ids[t])][1:], device=device)
+                    (0.5 * ((values - target) ** 2 * masks[t]).sum() / count).backward()
                 rows += len(tokens)
         compression = 1.0
     else:
@@ -149,7 +185,11 @@ def one_update(config: str, batch, model, chunk_size: int, capacity: int,
         result = compile_batch(batch, CompileOptions(chunk_size=chunk_size, capacity=capacity, levels=levels,
                                                      max_window_slots=max_window_slots))
         mode = "compact" if config == "windows" else config
-        step = run_step(result.plan, model, mode=mode, logprobs=logprobs)
+        if critic is None:
+            step = run_step(result.plan, model, mode=mode, logprobs=logprobs)
+        else:
+            step = run_step(result.plan, model, mode=mode, logprobs=logprobs, loss=LossConfig(kind="value"),
+                            value_head=critic.head, returns=critic_targets(result.plan, critic.returns, "returns"))
         rows = step.rows
         # Decoder work: compact rows, or producer plus residual rows with windows.
         decoder_rows = rows if config == "windows" else sum(len(mb["row_token"]) for mb in result.plan.microbatches)
@@ -182,8 +222,11 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="model weights and activations (harts run --dtype; default float32; bfloat16 is "
                              "what a GPU trains in)")
-    parser.add_argument("--child", nargs=10,
-                        metavar=("CONFIG", "TREES", "MODEL", "B", "T", "R", "W", "LP", "DEV", "DTYPE"),
+    parser.add_argument("--loss", choices=("nll", "value"), default="nll",
+                        help="nll (default): the policy's NLL; value: a critic's value loss (a linear value head, "
+                             "random returns)")
+    parser.add_argument("--child", nargs=11,
+                        metavar=("CONFIG", "TREES", "MODEL", "B", "T", "R", "W", "LP", "DEV", "DTYPE", "LOSS"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -201,8 +244,8 @@ def main() -> None:
     vocab = 4096
     model_dir = folder / "model"
     init_model("kimi_linear", args.preset, model_dir, vocab_size=vocab)
-    print(f"model: kimi_linear {args.preset} in {args.dtype}, vocab {vocab}, on {args.device}; workloads in {folder}",
-          file=sys.stderr)
+    print(f"model: kimi_linear {args.preset} in {args.dtype}, vocab {vocab}, on {args.device}, loss {args.loss}; "
+          f"workloads in {folder}", file=sys.stderr)
     table = []
     for kind in args.workloads.split(","):
         trees = folder / f"{kind}.jsonl"
@@ -214,7 +257,8 @@ def main() -> None:
             for config in args.configs.split(","):
                 out = subprocess.run([sys.executable, __file__, "--child", config, str(trees), str(model_dir),
                                       str(args.chunk_size), str(args.capacity), str(args.repeat),
-                                      str(args.max_window_slots), args.logprobs, args.device, args.dtype],
+                                      str(args.max_window_slots), args.logprobs, args.device, args.dtype,
+                                      args.loss],
                                      capture_output=True, text=True)
                 if out.returncode != 0:
                     raise SystemExit(f"{config} on {kind} failed:\n{out.stderr[-3000:]}")
