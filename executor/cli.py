@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from harts.executor.layout import MODES
-from harts.executor.losses import LOGPROB_POSITIONS, LOSSES, REDUCTIONS, VALUE, LossConfig, position_weights
+from harts.executor.losses import (LOGPROB_POSITIONS, LOSSES, REDUCTIONS, VALUE, LossConfig, check_value_inputs,
+                                    position_weights)
 from harts.executor.models.registry import runner_class
 from harts.executor.ops.linear_attention.backend import select_backend
 from harts.progress import quiet_library_progress, terminal_progress
@@ -99,11 +100,18 @@ def check_critic_config(model_dir: str) -> None:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return   # the load says so
-    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        return
+    model_type = config.get("model_type")
     if isinstance(model_type, str) and model_type not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
         raise HartsError(f"{model_dir}: transformers has no token-classification (critic) class for model type "
                          f"{model_type!r}; fix: train this family's critic from Python, harts.api.run(plan, model, "
                          "loss='value', value_head=...) (docs/integration.md#a-critic)")
+    causal = [name for name in config.get("architectures") or () if str(name).endswith("ForCausalLM")]
+    if causal:
+        raise HartsError(f"{model_dir}: holds a causal LM ({causal[0]}), not a critic with a value head; fix: pass "
+                         "the critic's folder (harts init-model --critic writes a random one; from a policy: "
+                         "AutoModelForTokenClassification.from_pretrained(dir, num_labels=1).save_pretrained(out))")
     labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
     if labels != 1:
         raise HartsError(f"{model_dir}: --loss value reads one value per position, but the config has {labels} "
@@ -140,7 +148,7 @@ def model_device(choice: str) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def check_outputs(plan: str, model_dir: str, outputs: list[str]) -> None:
+def check_outputs(plan: str, model_dir: str, outputs: list[str], inputs: tuple[str, ...] = ()) -> None:
     """Refuse, before any work, output paths that cannot become files (raises OutputError).
 
     Besides `check_output_path`'s refusals: two outputs at one path (the second
@@ -152,7 +160,7 @@ def check_outputs(plan: str, model_dir: str, outputs: list[str]) -> None:
     except OSError:     # no such folder, or unreadable: load_model reports it in its own words
         model_files = []
     # A symlink is written through, so a link and its target are one file.
-    targets = [(path, check_output_path(path, inputs=(plan, *model_files))) for path in outputs]
+    targets = [(path, check_output_path(path, inputs=(plan, *model_files, *inputs))) for path in outputs]
     refuse_one_file(targets, "two of --logprobs-out, --values-out and --grads-out name the same file",
                     "give each output its own file name")
 
@@ -314,6 +322,8 @@ def flag_conflict(args) -> str | None:
                     if value is not None]
     if args.loss != VALUE and critic_flags:
         return f"{critic_flags[0]} is read by --loss value only; fix: pass --loss value to train a critic, or drop it"
+    if args.loss == VALUE and args.entropy:
+        return "--entropy reports the policy's entropy, but --loss value runs a value head; fix: drop --entropy"
     if args.loss == VALUE and args.logprobs_out is not None:
         return "--loss value runs a value head, not the LM head: there are no log-probabilities; fix: write " \
                "--values-out instead of --logprobs-out"
@@ -396,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         # bad output path must not cost a whole step, nor leave one file of two.
         # An empty path (`--logprobs-out "$UNSET"`) is refused there, not taken as "no output".
         check_outputs(args.plan, args.model,
-                      [p for p in (args.logprobs_out, args.values_out, args.grads_out) if p is not None])
+                      [p for p in (args.logprobs_out, args.values_out, args.grads_out) if p is not None],
+                      inputs=tuple(p for p in (args.returns, args.old_values) if p is not None))
         plan = read_plan(args.plan)
         if not args.no_check:
             # The executor trusts the plan's index tables: a broken invariant would run to wrong
@@ -407,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
         returns, old_values = (critic_targets(plan, read_npz(path, flag), flag.removeprefix("--").replace("-", "_"))
                                if path is not None else None
                                for flag, path in (("--returns", args.returns), ("--old-values", args.old_values)))
+        offsets = np.asarray(plan.step["token_offsets"], dtype=np.int64)
+        check_value_inputs(returns, old_values, position_weights(plan.step["loss_mask"], offsets, loss.reduction),
+                           loss, backward=not args.forward_only)
         if distributed.launched_by_torchrun():
             distributed.check_world_size(int(plan.flags["dp"]))
         device = model_device(args.device)

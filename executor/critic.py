@@ -36,9 +36,16 @@ def value_head_of(model, loss: LossConfig, value_head):
                              "load the critic as *ForTokenClassification with num_labels=1")
         dropout = getattr(model, "dropout", None)   # as the model's forward applies it before `score`
         return torch.nn.Sequential(dropout, score) if isinstance(dropout, torch.nn.Module) else score
-    if not callable(value_head):
-        raise UsageError(f"value_head must be a callable module [P, D] -> [P, 1], got "
-                         f"{type(value_head).__name__}; fix: pass e.g. torch.nn.Linear(hidden_size, 1)")
+    if not isinstance(value_head, torch.nn.Module):
+        # A module's parameters are what run_step zeroes and all_reduce_result sums; a bare function's are not.
+        raise UsageError(f"value_head must be a torch.nn.Module [P, D] -> [P, 1], got {type(value_head).__name__}; "
+                         "fix: pass the head module itself, e.g. torch.nn.Linear(hidden_size, 1)")
+    reference = next(model.parameters())
+    for name, parameter in value_head.named_parameters():
+        if parameter.dtype != reference.dtype or parameter.device != reference.device:
+            raise UsageError(f"value_head's {name} is {parameter.dtype} on {parameter.device}, the model's "
+                             f"parameters {reference.dtype} on {reference.device}; fix: "
+                             "value_head.to(device=..., dtype=...) as the model")
     return value_head
 
 

@@ -247,6 +247,9 @@ def check_value_inputs(returns, old_values, weights: np.ndarray, config: LossCon
             raise UsageError(f"returns and old_values are read by loss 'value' only, not '{config.kind}'; fix: pass "
                              "loss='value' to train a critic, or drop them")
         return
+    if old_values is not None and config.value_clip is None:
+        raise UsageError("old_values is given but value_clip is None, so nothing reads it; fix: set value_clip "
+                         "(e.g. 0.2) to clip around them, or drop old_values")
     if returns is None and not backward:
         return
     trained = weights > 0
@@ -262,9 +265,6 @@ def check_value_inputs(returns, old_values, weights: np.ndarray, config: LossCon
         if len(bad):
             raise UsageError(f"{name} is {given[bad[0]]} at flat position {int(bad[0])}, which the value loss "
                              f"trains (loss_mask 1); fix: give a finite value at every trained position")
-    if old_values is not None and config.value_clip is None:
-        raise UsageError("old_values is given but value_clip is None, so nothing reads it; fix: set value_clip "
-                         "(e.g. 0.2) to clip around them, or drop old_values")
 
 
 def value_loss(values_P: torch.Tensor, meta: PositionMeta, config: LossConfig) -> torch.Tensor:

@@ -259,7 +259,8 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     and device, so leave it off in training.
 
     Loss 'value' trains a critic: `value_head` (default: the model's own `score`, with its `dropout`, as a
-    `*ForTokenClassification` with one label has) maps final hidden states [P, D] to values [P, 1] or [P],
+    `*ForTokenClassification` with one label has; else a torch.nn.Module in the model's dtype and on its
+    device) maps final hidden states [P, D] to values [P, 1] or [P],
     `returns` and `old_values` (with `loss.value_clip`) are float64 arrays over the step's flat positions,
     and `StepResult.values` replaces `logprobs`. A head that is not part of the model has its `.grad`
     zeroed (unless `accumulate`) and filled as the model's are, but is not in `StepResult.grads`.

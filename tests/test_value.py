@@ -193,6 +193,10 @@ def test_critic_calls_that_cannot_run_are_one_usage_error(kimi, qwen_critic):
         (dict(model=qwen_critic, loss="value", returns=returns, entropy=True), "entropy=True"),
         (dict(model=kimi, loss="value", returns=returns, value_head=torch.nn.Linear(kimi.config.hidden_size, 2)),
          "one output per position"),
+        (dict(model=kimi, loss="value", returns=returns, value_head=lambda h: h[:, :1]), "must be a torch.nn.Module"),
+        (dict(model=kimi, loss="value", returns=returns,
+              value_head=torch.nn.Linear(kimi.config.hidden_size, 1).to(torch.bfloat16)), "value_head's weight is"),
+        (dict(model=qwen_critic, loss="value", old_values=old, backward=False), "value_clip is None"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -261,7 +265,18 @@ def test_harts_run_refuses_critic_flags_it_cannot_honour(critic_step, tmp_path, 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text('{"model_type": "kimi_linear"}')
     (tmp_path / "broken.npz").write_bytes(b"not an npz")
+    (tmp_path / "policy").mkdir()
+    (tmp_path / "policy" / "config.json").write_text(
+        '{"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}')
     cases = [
+        (["--model", critic, "--loss", "value", "--returns", returns, "--values-out", returns],
+         "it is also an input"),
+        (["--model", critic, "--loss", "value", "--returns", returns, "--grads-out", returns], "it is also an input"),
+        (["--model", str(tmp_path / "policy"), "--loss", "value", "--returns", returns],
+         "holds a causal LM (Qwen3NextForCausalLM), not a critic"),
+        (["--model", str(tmp_path / "none"), "--loss", "value", "--returns", returns, "--old-values", returns],
+         "value_clip is None"),   # refused before the (missing) model is looked for
+        (["--model", critic, "--loss", "value", "--returns", returns, "--entropy"], "drop --entropy"),
         (["--model", critic, "--returns", returns], "--returns is read by --loss value only"),
         (["--model", critic, "--loss", "value", "--returns", returns, "--logprobs-out", str(tmp_path / "lp.npz")],
          "there are no log-probabilities"),
