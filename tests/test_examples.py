@@ -1,8 +1,9 @@
 """The documented examples run as a user runs them.
 
 Run: `python -m pytest tests/test_examples.py -q` (about 10 s on 2 cores).
-`examples/train_loop.py` is the loop docs/integration.md walks through; CI runs
-it here as a subprocess so that the documented code cannot rot.
+`examples/train_loop.py` is the loop docs/integration.md walks through and
+`examples/ppo_critic.py` its PPO step with a critic; CI runs them here as
+subprocesses so that the documented code cannot rot.
 """
 from __future__ import annotations
 
@@ -24,3 +25,14 @@ def test_train_loop_example_runs_and_prints_the_loss():
         # On-policy GRPO: the loss is -sum(A * mask) / count, computed independently by the example.
         assert abs(float(loss) - float(expected)) <= 1e-5
     assert "logprobs[" in out.stdout and "nan" in out.stdout
+
+
+def test_ppo_critic_example_runs_gae_and_both_updates():
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "ppo_critic.py")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = re.findall(r"^step (\d): policy ppo loss (-?\d+\.\d+), critic value loss (\d+\.\d+), "
+                       r"last returns equal the rewards: (\w+)$", out.stdout, re.M)
+    assert [step for step, *_ in lines] == ["0", "1"], out.stdout
+    # GAE with gamma 1 ends at the reward: the example checks it on every trajectory.
+    assert all(flag == "True" and float(critic) > 0 for _, _, critic, flag in lines), out.stdout
