@@ -20,7 +20,7 @@ from harts.schema.plan import Plan
 
 
 def value_head_of(model, loss: LossConfig, value_head):
-    """The callable mapping final hidden states [P, D] to values, for loss 'value' (else None, and refuse a
+    """The module mapping final hidden states [P, D] to values, for loss 'value' (else None, and refuse a
     head given to a policy loss): `value_head`, or the model's own `score` behind its `dropout` (a
     `*ForTokenClassification` model with one label, as RL frameworks load critics)."""
     if loss.kind != VALUE:

@@ -51,7 +51,7 @@ import torch
 from harts.schema.errors import UsageError
 
 LOSSES = ("nll", "grpo", "ppo", "custom")   # the policy objectives (harts run --loss)
-VALUE = "value"                               # the critic's objective (harts.api.run with returns)
+VALUE = "value"                               # the critic's objective (harts run --loss value, harts.api.run)
 REDUCTIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 _DEFAULT_CLIP = 0.2   # both clip bounds; nll and custom objectives leave them at this
 
@@ -96,13 +96,14 @@ class LossConfig:
             if self.kind in ("nll", "custom", VALUE) and getattr(self, name) != _DEFAULT_CLIP:
                 raise UsageError(f"LossConfig.{name} ({_flag(name)}) = {getattr(self, name)!r} has no effect with "
                                  f"kind '{self.kind}' (it clips the grpo/ppo ratio); fix: leave it at "
-                                 f"{_DEFAULT_CLIP}" + (", or pick kind 'grpo' or 'ppo'" if self.kind == "nll"
-                                                       else " and clip inside your objective"))
+                                 f"{_DEFAULT_CLIP}" + {"nll": ", or pick kind 'grpo' or 'ppo'",
+                                                       VALUE: " (a critic clips its values with value_clip)"}.get(
+                                     self.kind, " and clip inside your objective"))
         if self.kind in ("nll", "custom", VALUE) and self.kl_coef:
             raise UsageError(f"LossConfig.kl_coef (--kl-coef) = {self.kl_coef!r} has no effect with kind "
                              f"'{self.kind}' (the KL term belongs to the grpo/ppo policy loss); fix: set kl_coef "
-                             "to 0" + (", or pick kind 'grpo' or 'ppo'" if self.kind == "nll"
-                                       else " and add the KL term inside your objective"))
+                             "to 0" + {"nll": ", or pick kind 'grpo' or 'ppo'", VALUE: ""}.get(
+                                 self.kind, " and add the KL term inside your objective"))
         if self.kind == "custom" and not callable(self.objective):
             raise UsageError(f"LossConfig(kind='custom') needs objective, a callable (logprobs, inputs) -> scalar "
                              f"tensor, got {self.objective!r}; fix: pass objective=your_function "
