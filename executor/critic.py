@@ -101,12 +101,12 @@ def flat_targets(name: str, given, num_positions: int) -> np.ndarray | None:
     return array
 
 
-def head_values(head, hidden_PD: torch.Tensor) -> torch.Tensor:
-    """The head's values [P] for hidden states [P, D]; one UsageError when it gives another shape."""
-    out = head(hidden_PD)
+def head_values(head, hidden_RD: torch.Tensor) -> torch.Tensor:
+    """The head's values [R] for hidden states [R, D]; one UsageError when it gives another shape."""
+    out = head(hidden_RD)
     if out.dim() == 2 and out.shape[1] == 1:
         out = out[:, 0]
-    if out.shape != hidden_PD.shape[:1]:
-        raise UsageError(f"the value head maps hidden states {tuple(hidden_PD.shape)} to shape {tuple(out.shape)}; "
+    if out.shape != hidden_RD.shape[:1]:
+        raise UsageError(f"the value head maps hidden states {tuple(hidden_RD.shape)} to shape {tuple(out.shape)}; "
                          "fix: give a head with one output per position, [P, 1] or [P] (num_labels=1)")
     return out

@@ -423,8 +423,10 @@ def _run_microbatch(step: _StepInputs, runner, layout, window, backward: bool) -
         mb_entropy = torch.zeros((), dtype=torch.float64, device=step.device)
         loss = step.loss
         if step.value_head is not None:
-            # A critic: the value of position i is read at the row whose logits would score token i.
-            lam = head_values(step.value_head, hidden.index_select(0, reads))
+            # A critic: the value of position i is read at the row whose logits would score token i. The head
+            # runs once per row, not per position: positions sharing a row share its value (and a [P, D] gather
+            # of hidden states would cost the compression factor in memory).
+            lam = head_values(step.value_head, hidden).index_select(0, reads)
             # A forward pass for the values alone (no returns yet: GAE needs these first) has no loss.
             mb_loss = value_loss(lam, meta, loss) if meta.returns is not None else \
                 torch.full((), math.nan, dtype=torch.float64, device=step.device)

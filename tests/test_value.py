@@ -129,9 +129,14 @@ def test_a_backbone_with_its_own_value_head_matches_and_trains_the_head(kimi):
     parameters = [*kimi.parameters(), *head.parameters()]
     want_values, want_loss, want = reference(lambda ids: head(kimi.model(ids).last_hidden_state)[0, :, 0],
                                              parameters, lists, returns, None, None, masks)
-    # run_step left the head's .grad; the reference cleared it: compare against a second run.
+    # run_step left the head's .grad; the reference cleared it: compare against a second run, counting the
+    # rows the head reads: one per compact row of each microbatch, not one per position.
+    seen = []
+    hook = head.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0]))
     got = run_step(plan, kimi, loss=LossConfig(kind="value"), value_head=head,
                    returns=np.concatenate([returns[str(i)] for i in range(len(lists))]))
+    hook.remove()
+    assert sum(seen) == sum(len(mb["row_token"]) for mb in plan.microbatches) < sum(map(len, lists))
     assert_values(result, want_values)
     assert abs(result.loss - want_loss) <= 1e-6 * max(1.0, want_loss) and abs(got.loss - result.loss) <= 1e-12
     names = dict(kimi.named_parameters())
