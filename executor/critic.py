@@ -20,7 +20,7 @@ from harts.schema.plan import Plan
 
 
 def value_head_of(model, loss: LossConfig, value_head):
-    """The module mapping final hidden states [P, D] to values, for loss 'value' (else None, and refuse a
+    """The module mapping final hidden states [R, D] to values, for loss 'value' (else None, and refuse a
     head given to a policy loss): `value_head`, or the model's own `score` behind its `dropout` (a
     `*ForTokenClassification` model with one label, as RL frameworks load critics)."""
     if loss.kind != VALUE:
@@ -38,7 +38,7 @@ def value_head_of(model, loss: LossConfig, value_head):
         return torch.nn.Sequential(dropout, score) if isinstance(dropout, torch.nn.Module) else score
     if not isinstance(value_head, torch.nn.Module):
         # A module's parameters are what run_step zeroes and all_reduce_result sums; a bare function's are not.
-        raise UsageError(f"value_head must be a torch.nn.Module [P, D] -> [P, 1], got {type(value_head).__name__}; "
+        raise UsageError(f"value_head must be a torch.nn.Module [R, D] -> [R, 1], got {type(value_head).__name__}; "
                          "fix: pass the head module itself, e.g. torch.nn.Linear(hidden_size, 1)")
     reference = next(model.parameters())
     for name, parameter in value_head.named_parameters():
@@ -108,5 +108,5 @@ def head_values(head, hidden_RD: torch.Tensor) -> torch.Tensor:
         out = out[:, 0]
     if out.shape != hidden_RD.shape[:1]:
         raise UsageError(f"the value head maps hidden states {tuple(hidden_RD.shape)} to shape {tuple(out.shape)}; "
-                         "fix: give a head with one output per position, [P, 1] or [P] (num_labels=1)")
+                         "fix: give a head with one output per row, [R, 1] or [R] (num_labels=1)")
     return out

@@ -260,7 +260,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
 
     Loss 'value' trains a critic: `value_head` (default: the model's own `score`, with its `dropout`, as a
     `*ForTokenClassification` with one label has; else a torch.nn.Module in the model's dtype and on its
-    device) maps final hidden states [P, D] to values [P, 1] or [P],
+    device) maps final hidden states [R, D] to values [R, 1] or [R], once per compact row,
     `returns` and `old_values` (with `loss.value_clip`) are float64 arrays over the step's flat positions,
     and `StepResult.values` replaces `logprobs`. A head that is not part of the model has its `.grad`
     zeroed (unless `accumulate`) and filled as the model's are, but is not in `StepResult.grads`.
@@ -355,7 +355,7 @@ class _StepInputs:
     moe_scale: float             # 1 / moe_units: each unit's MoE terms enter as the step's mean
     top_k: int
     lm_head_weight: torch.Tensor | None   # None for a critic (loss 'value'): the LM head is not read
-    value_head: Callable | None = None    # loss 'value': final hidden states [P, D] -> values
+    value_head: Callable | None = None    # loss 'value': final hidden states [R, D] -> values [R]
     returns: np.ndarray | None = None     # loss 'value': float64 per flat position
     old_values: np.ndarray | None = None
 

@@ -197,7 +197,7 @@ def test_critic_calls_that_cannot_run_are_one_usage_error(kimi, qwen_critic):
         (dict(model=qwen_critic, loss="value", returns={**returns, "0": returns["0"][:-1]}), "but tokens has"),
         (dict(model=qwen_critic, loss="value", returns=returns, entropy=True), "entropy=True"),
         (dict(model=kimi, loss="value", returns=returns, value_head=torch.nn.Linear(kimi.config.hidden_size, 2)),
-         "one output per position"),
+         "one output per row"),
         (dict(model=kimi, loss="value", returns=returns, value_head=lambda h: h[:, :1]), "must be a torch.nn.Module"),
         (dict(model=kimi, loss="value", returns=returns,
               value_head=torch.nn.Linear(kimi.config.hidden_size, 1).to(torch.bfloat16)), "value_head's weight is"),
