@@ -200,13 +200,16 @@ def check_npz_ids(ids) -> None:
 
 def read_npz(path: str, flag: str) -> dict:
     """An .npz of per-trajectory float arrays (as --logprobs-out writes) as a dict; one line when it is not."""
+    fix = "fix: write it with numpy.savez, one float array per trajectory keyed by str(id)"
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            return {key: archive[key] for key in archive.files}
+        loaded = np.load(path, allow_pickle=False)
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
         first = (str(err).strip().splitlines() or [""])[0]
-        raise UsageError(f"{flag} {path}: cannot read it as an .npz ({type(err).__name__}: {first}); fix: write it "
-                         "with numpy.savez, one float array per trajectory keyed by str(id)") from None
+        raise UsageError(f"{flag} {path}: cannot read it as an .npz ({type(err).__name__}: {first}); {fix}") from None
+    if not isinstance(loaded, np.lib.npyio.NpzFile):   # a .npy: one array, not one per trajectory
+        raise UsageError(f"{flag} {path}: holds one array (.npy), not one per trajectory; {fix}")
+    with loaded:
+        return {key: loaded[key] for key in loaded.files}
 
 
 def grads_bytes(grads: dict) -> bytes:
@@ -512,7 +515,8 @@ def report(args, mode: str, plan, result) -> None:
               "and every gradient is zero", file=sys.stderr)
     windows = f" ({result.producers_run} window producers)" if result.producers_run else ""
     entropy = f", entropy {result.entropy:.6f}" if result.entropy is not None else ""
-    print(f"harts run: {mode}: loss {result.loss:.6f}{entropy}, {original} tokens through {result.rows} decoder rows{windows} in "
+    loss = "values only (no --returns)" if args.loss == VALUE and args.returns is None else f"loss {result.loss:.6f}"
+    print(f"harts run: {mode}: {loss}{entropy}, {original} tokens through {result.rows} decoder rows{windows} in "
           f"{result.seconds:.2f}s ({summary['tokens_per_second']:.0f} tokens/s)", file=sys.stderr)
 
 

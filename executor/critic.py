@@ -82,9 +82,12 @@ def critic_targets(plan: Plan, per_trajectory, name: str) -> np.ndarray | None:
             array = np.asarray(entry)
         except (TypeError, ValueError):   # ragged nesting
             array = np.asarray([None])
-        if array.dtype.kind not in "iuf" or array.ndim != 1 or len(array) != length:
-            raise UsageError(f"trajectory {key!r}: {name} holds {array.dtype} of shape {array.shape} but tokens has "
-                             f"{length}; fix: give {length} numbers, one per token (NaN where nothing is trained)")
+        if array.dtype.kind not in "iuf":
+            raise UsageError(f"trajectory {key!r}: {name} holds {array.dtype} values, not numbers; fix: give "
+                             f"{length} numbers, one per token (NaN where nothing is trained)")
+        if array.ndim != 1 or len(array) != length:
+            raise UsageError(f"trajectory {key!r}: {name} has shape {array.shape} but tokens has {length}; fix: "
+                             f"give {length} numbers, one per token (NaN where nothing is trained)")
         arrays.append(array.astype(np.float64))
     return np.concatenate(arrays) if arrays else np.zeros(0)
 

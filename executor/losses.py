@@ -252,6 +252,9 @@ def check_value_inputs(returns, old_values, weights: np.ndarray, config: LossCon
         raise UsageError("old_values is given but value_clip is None, so nothing reads it; fix: set value_clip "
                          "(e.g. 0.2) to clip around them, or drop old_values")
     if returns is None and not backward:
+        if old_values is not None:
+            raise UsageError("old_values is given without returns, so nothing reads it (a forward pass without "
+                             "returns gives the values alone); fix: give returns too, or drop old_values")
         return
     trained = weights > 0
     for name, given, needed in (("returns", returns, True), ("old_values", old_values, config.value_clip is not None)):

@@ -38,7 +38,8 @@ from harts.schema.runs import expand_runs
 @dataclass
 class StepResult:
     logprobs: dict                     # str(id) -> float32[n], NaN at index 0
-    loss: float                        # the policy loss over the step (token-mean reduction)
+    loss: float                        # the step's loss (policy, or a critic's value loss; NaN for a critic's
+                                       # forward pass without returns), reduced as LossConfig.reduction says
     objective: float                   # what was differentiated: loss + MoE terms - entropy_coef x entropy
     grads: dict                        # parameter name -> its .grad, trainable ones (empty without backward)
     moe_load: dict                     # layer -> float64[E] occurrence-weighted expert loads
@@ -128,7 +129,7 @@ def trainable_gradients(model) -> dict:
 REFUSED_DTYPES = (torch.float64,)
 
 
-def check_call(plan, model, backward: bool, loss=LossConfig()) -> None:
+def check_call(plan, model, backward: bool, loss=LossConfig(), value_head=None) -> None:
     """One UsageError with a fix for arguments `run_step` cannot run, before any work, rather than a torch
     error from deep inside the step (microbatch indices: `microbatch_indices`)."""
     if not isinstance(loss, LossConfig):
@@ -155,7 +156,8 @@ def check_call(plan, model, backward: bool, loss=LossConfig()) -> None:
     if backward and torch.is_inference_mode_enabled():
         raise UsageError("called inside torch.inference_mode(), which records nothing to differentiate; "
                          "fix: call outside it, or pass backward=False")
-    if backward and not any(p.requires_grad for p in parameters):
+    trainable = parameters + (list(value_head.parameters()) if isinstance(value_head, torch.nn.Module) else [])
+    if backward and not any(p.requires_grad for p in trainable):   # a critic may train its head alone
         raise UsageError("no model parameter requires a gradient; fix: unfreeze what should train, or pass "
                          "backward=False")
 
@@ -265,7 +267,7 @@ def run_step(plan: Plan, model, *, mode: str = "compact", loss: LossConfig = Los
     and `StepResult.values` replaces `logprobs`. A head that is not part of the model has its `.grad`
     zeroed (unless `accumulate`) and filled as the model's are, but is not in `StepResult.grads`.
     """
-    check_call(plan, model, backward, loss)
+    check_call(plan, model, backward, loss, value_head)
     microbatches = microbatch_indices(plan, microbatches)
     if not hasattr(model, "config") and hasattr(model, "module"):
         raise UsageError(f"the model is wrapped ({type(model).__name__}); fix: pass the Hugging Face model itself "

@@ -321,6 +321,11 @@ def read_plan_and_bytes(path: str | os.PathLike) -> tuple[Plan, bytes]:
         data = Path(path).read_bytes()
     except OSError as err:
         raise PlanFormatError(f"{source}: cannot read plan ({err.strerror}); fix: check the path") from None
+    return plan_from_bytes(data, source), data
+
+
+def plan_from_bytes(data: bytes, source: str = "<plan>") -> Plan:
+    """A plan file's bytes as `read_plan` gives them: `decode_plan`, then `validate_plan`."""
     plan = decode_plan(data, source)
     validate_plan(plan, source)
-    return plan, data
+    return plan

@@ -62,9 +62,9 @@ def test_identical_plans_are_decoded_once(plans, capsys, monkeypatch):
     """Equal bytes are one plan: B is not decoded and validated again (seconds and gigabytes at scale)."""
     import harts.tools.diff as diff
 
-    def second_read(path):
+    def second_read(data, path):
         raise AssertionError(f"{path} decoded although its bytes equal A's")
-    monkeypatch.setattr(diff, "read_plan", second_read)
+    monkeypatch.setattr(diff, "plan_from_bytes", second_read)
     out = run_diff(capsys, plans["dp4"], plans["dp4_again"])
     assert out.startswith("identical:")
     with pytest.raises(AssertionError, match="decoded although"):

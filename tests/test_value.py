@@ -159,6 +159,22 @@ def test_a_forward_pass_without_returns_gives_the_values_gae_needs(qwen_critic):
         harts.run(plan, qwen_critic, loss="value")
 
 
+def test_a_frozen_backbone_trains_its_head_alone(kimi):
+    lists = boundary_tree(np.random.default_rng(1))
+    plan = compile_lists(lists)
+    returns, _ = targets(lists, 10)
+    head = torch.nn.Linear(kimi.config.hidden_size, 1)
+    frozen = [p for p in kimi.parameters() if p.requires_grad]
+    try:
+        for p in frozen:
+            p.requires_grad_(False)
+        result = harts.run(plan, kimi, loss="value", returns=returns, value_head=head)
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    assert result.grads == {} and float(head.weight.grad.abs().sum()) > 0
+
+
 def test_expanded_mode_and_loss_positions_agree_with_compact(qwen_critic):
     lists = two_trees()
     rng = np.random.default_rng(4)
@@ -202,6 +218,10 @@ def test_critic_calls_that_cannot_run_are_one_usage_error(kimi, qwen_critic):
         (dict(model=kimi, loss="value", returns=returns,
               value_head=torch.nn.Linear(kimi.config.hidden_size, 1).to(torch.bfloat16)), "value_head's weight is"),
         (dict(model=qwen_critic, loss="value", old_values=old, backward=False), "value_clip is None"),
+        (dict(model=qwen_critic, loss=clip, old_values=old, backward=False), "old_values is given without returns"),
+        (dict(model=kimi, loss="grpo", returns={**returns, "0": returns["0"][:-1]}), "read by loss 'value' only"),
+        (dict(model=qwen_critic, loss="value", returns={**returns, "0": ["a"] * len(returns["0"])}),
+         "values, not numbers"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -270,6 +290,7 @@ def test_harts_run_refuses_critic_flags_it_cannot_honour(critic_step, tmp_path, 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text('{"model_type": "kimi_linear"}')
     (tmp_path / "broken.npz").write_bytes(b"not an npz")
+    np.save(tmp_path / "one.npy", np.zeros(5))
     (tmp_path / "policy").mkdir()
     (tmp_path / "policy" / "config.json").write_text(
         '{"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}')
@@ -290,6 +311,7 @@ def test_harts_run_refuses_critic_flags_it_cannot_honour(critic_step, tmp_path, 
         (["--model", critic, "--loss", "value", "--returns", str(tmp_path / "broken.npz")],
          "cannot read it as an .npz"),
         (["--model", critic, "--loss", "value"], "needs returns"),
+        (["--model", critic, "--loss", "value", "--returns", str(tmp_path / "one.npy")], "holds one array (.npy)"),
         (["--model", critic, "--loss", "value", "--returns", returns, "--value-clip", "0.2"], "needs old_values"),
     ]
     for extra, message in cases:
@@ -345,6 +367,9 @@ def test_init_model_writes_a_critic_harts_run_trains(critic_step, tmp_path, caps
                        "--returns", str(folder / "returns.npz"), "--values-out", str(tmp_path / "v.npz")]) == 0
     assert len(np.load(tmp_path / "v.npz").files) == len(two_trees())
     capsys.readouterr()
+    assert harts_main(["run", str(folder / "step.plan"), "--model", str(tmp_path / "critic"), "--loss", "value",
+                       "--forward-only", "--values-out", str(tmp_path / "v2.npz")]) == 0
+    assert ": values only (no --returns)," in capsys.readouterr().err
     assert harts_main(["init-model", "--critic", "-o", str(tmp_path / "kimi")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no token-classification class" in err[0] and not (tmp_path / "kimi").exists()

@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 from harts.schema.errors import HartsError, PlanFormatError
-from harts.schema.plan import Plan, read_plan, read_plan_and_bytes
+from harts.schema.plan import Plan, plan_from_bytes, read_plan_and_bytes
 from harts.schema.summary import plan_statistics
 from harts.text import plural
 from harts.tools.viz import microbatch_window, plan_producers, producer_rows, window_spans
@@ -257,9 +257,10 @@ def main(argv: list[str] | None = None) -> int:
             raise PlanFormatError(f"{args.plan_b}: cannot read plan ({err.strerror}); fix: check the path") from None
         identical = data_a == data_b
         del data_a
-        # Identical bytes decode to the same plan: read it once (a 16,384-trajectory plan takes seconds and
-        # gigabytes to decode and validate).
-        b = a if identical else read_plan(args.plan_b)
+        # Identical bytes decode to the same plan: decode it once (a 16,384-trajectory plan takes seconds and
+        # gigabytes to decode and validate); B's bytes are decoded as read, never read again.
+        b = a if identical else plan_from_bytes(data_b, args.plan_b)
+        del data_b
     except HartsError as err:
         print(f"harts diff: {err}", file=sys.stderr)
         return err.exit_code
