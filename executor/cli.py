@@ -180,7 +180,7 @@ def logprobs_bytes(logprobs: dict) -> bytes:
     return buffer.getvalue()
 
 
-def check_npz_ids(ids) -> None:
+def check_npz_ids(ids, flag: str = "--logprobs-out") -> None:
     """Refuse, before the run, ids `np.load` could not give back from the .npz `logprobs_bytes` writes.
 
     An entry is named `{id}.npy`; np.load finds key k as the entry k first, then k.npy, so ids "a" and
@@ -189,13 +189,13 @@ def check_npz_ids(ids) -> None:
     keys = {str(i) for i in ids}
     for key in sorted(keys):
         if "\x00" in key:
-            raise HartsError(f"--logprobs-out: trajectory id {key!r} holds a NUL character, which an .npz entry "
-                             "name cannot; fix: rename it in trees.jsonl and recompile, or take log-probabilities "
+            raise HartsError(f"{flag}: trajectory id {key!r} holds a NUL character, which an .npz entry "
+                             "name cannot; fix: rename it in trees.jsonl and recompile, or take the results "
                              "from harts.api.run")
         if key.endswith(".npy") and key[:-4] in keys:
-            raise HartsError(f"--logprobs-out: trajectory ids {key[:-4]!r} and {key!r} cannot be told apart in "
+            raise HartsError(f"{flag}: trajectory ids {key[:-4]!r} and {key!r} cannot be told apart in "
                              f"an .npz (np.load reads {key!r} as the entry of {key[:-4]!r}); fix: rename one in "
-                             "trees.jsonl and recompile, or take log-probabilities from harts.api.run")
+                             "trees.jsonl and recompile, or take the results from harts.api.run")
 
 
 def read_npz(path: str, flag: str) -> dict:
@@ -416,8 +416,9 @@ def main(argv: list[str] | None = None) -> int:
             # The executor trusts the plan's index tables: a broken invariant would run to wrong
             # log-probabilities or fail midway, so it is refused before any work.
             require_valid_plan(args.plan, plan)
-        if args.logprobs_out is not None or args.values_out is not None:
-            check_npz_ids(plan.step["ids"])
+        for flag, path in (("--logprobs-out", args.logprobs_out), ("--values-out", args.values_out)):
+            if path is not None:
+                check_npz_ids(plan.step["ids"], flag)
         returns, old_values = (critic_targets(plan, read_npz(path, flag), flag.removeprefix("--").replace("-", "_"))
                                if path is not None else None
                                for flag, path in (("--returns", args.returns), ("--old-values", args.old_values)))
