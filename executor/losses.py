@@ -240,8 +240,8 @@ def check_value_inputs(returns, old_values, weights: np.ndarray, config: LossCon
 
     `returns` / `old_values` are flat float64 arrays over the step's positions (or None); the value loss
     reads returns at every trained position, and old values there when `value_clip` is set. A forward
-    pass without returns only reads the values (the old values GAE needs): nothing to check. Values
-    given to a policy loss are refused too: they would be silently ignored.
+    pass without returns reads the values alone (the old values GAE needs), so old values given to it
+    are refused as unread, as are targets given to a policy loss: either would be silently ignored.
     """
     if config.kind != VALUE:
         if returns is not None or old_values is not None:
