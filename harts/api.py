@@ -319,10 +319,9 @@ def run(plan: Plan, model, *, loss: str | LossConfig | Objective = "nll", mode: 
     `loss="value"` (or `LossConfig(kind="value", value_clip=0.2)`) trains a critic on the same plan: `model`
     is the critic (a `*ForTokenClassification` with one label, or any supported model with `value_head`, a
     module [rows, hidden] -> [rows, 1], run once per compact row); `returns`, and with `value_clip`
-    `old_values`, give one float per token
-    of every trajectory, as a dict keyed by id (str(id), as `StepResult.logprobs` is) or a list in the
-    plan's trajectory order, read where loss_mask is 1 (index 0 and masked positions may be NaN; with
-    backward=False `returns` may be left out, for the values alone);
+    `old_values`, give one float per token of every trajectory, as a dict keyed by id (str(id), as
+    `StepResult.logprobs` is) or a list in the plan's trajectory order, read where loss_mask is 1 (index 0
+    and masked positions may be NaN; with backward=False `returns` may be left out, for the values alone);
     `StepResult.values` holds the values, aligned as log-probabilities are (docs/integration.md#a-critic)."""
     if isinstance(loss, str):
         config = LossConfig(kind=loss)
