@@ -20,7 +20,10 @@ error and the rest still run):
   itself when fla imports). Ours: compact with fla where it imports (backend
   `auto`: layers fla refuses run the torch op), compact with the torch op,
   and an L1+L2 plan with a sharing window. Max |d logprob| and
-  the worst relative gradient error (the tests' rule and floor).
+  the worst relative gradient error (the tests' rule and floor). Then a
+  critic (loss `value`) on the windows plan: the backbone under a seeded
+  linear head against `head(model.model(ids).last_hidden_state)` per
+  trajectory, max |d value| and the worst gradient, head included.
 * `lm-head`: the blocked log-probability and entropy recovery on the GPU in
   float32 and bfloat16 against the plain log_softmax in float64 (values and
   gradients), and its time with and without entropies (a V = 32k head).
@@ -266,6 +269,39 @@ def compare(result, want_logprobs, want_grads, fidelity) -> tuple[float, float, 
     return worst_lp, worst[0], worst[1]
 
 
+def critic_line(family: str, model, lists, plan, fidelity) -> str:
+    """Loss 'value' on the windows plan against the HF backbone run per trajectory under the same linear head:
+    the largest value difference (v_i read before token i) and the worst gradient of the token-mean
+    0.5 (v - R)^2, model and head together."""
+    import numpy as np
+    import torch
+
+    from harts.executor.losses import LossConfig
+    from harts.executor.runtime import run_step
+
+    torch.manual_seed(2)
+    parameter = next(model.parameters())
+    head = torch.nn.Linear(model.config.hidden_size, 1).to(device=parameter.device, dtype=parameter.dtype)
+    rng = np.random.default_rng(3)
+    returns = [rng.normal(size=len(t)) for t in lists]
+    result = run_step(plan, model, loss=LossConfig(kind="value"), value_head=head, returns=np.concatenate(returns))
+    ours = {**result.grads, **{f"head.{n}": p.grad.clone() for n, p in head.named_parameters()}}
+    named = {**dict(model.named_parameters()), **{f"head.{n}": p for n, p in head.named_parameters()}}
+    for p in named.values():
+        p.grad = None
+    total, count, worst_value = 0.0, sum(len(t) - 1 for t in lists), 0.0
+    for i, tokens in enumerate(lists):
+        ids = torch.as_tensor(tokens, device=parameter.device)[None]
+        values = head(model.model(input_ids=ids).last_hidden_state[0, :-1])[:, 0].double()
+        worst_value = max(worst_value, float(np.max(np.abs(result.values[str(i)][1:] - values.detach().cpu().numpy()))))
+        total = total + 0.5 * ((values - torch.as_tensor(returns[i][1:], device=parameter.device)) ** 2).sum()
+    (total / count).backward()
+    want = {n: p.grad for n, p in named.items() if p.grad is not None}
+    floor = fidelity.gradient_floor(want)
+    grad, name = max((fidelity.relative_error(ours[n].float(), g.float(), floor), n) for n, g in want.items())
+    return f"{family:<11} {'critic (loss value), windows':<26} {worst_value:>15.2e} {grad:>15.2e}  {name}"
+
+
 def fidelity_check(device, args) -> list[str]:
     import numpy as np
     import torch
@@ -297,6 +333,7 @@ def fidelity_check(device, args) -> list[str]:
                 result = run_step(plan, model, mode="compact")
                 lp, grad, name = compare(result, want_logprobs, want_grads, fidelity)
                 say(f"{family:<11} {label:<26} {lp:>15.2e} {grad:>15.2e}  {name}")
+            say(critic_line(family, model, lists, plans["windows"], fidelity))
         except Exception as err:   # noqa: BLE001 - reported, and the next family still runs
             say(f"{family:<11} failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}")
         os.environ["HARTS_LINEAR_ATTENTION"] = "auto"
