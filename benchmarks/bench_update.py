@@ -149,7 +149,7 @@ def one_update(config: str, batch, model, chunk_size: int, capacity: int,
     from harts.compiler.pipeline import CompileOptions, compile_batch
     from harts.executor.critic import critic_targets
     from harts.executor.losses import LossConfig
-    from harts.executor.models.hf_reference import our_kda_core, trajectory_logprobs
+    from harts.executor.models.hf_reference import our_kda_core, trajectory_logprobs, trajectory_values
     from harts.executor.runtime import run_step
 
     if config == "hf-per-trajectory":
@@ -173,9 +173,8 @@ def one_update(config: str, batch, model, chunk_size: int, capacity: int,
                 if critic is None:
                     lp = trajectory_logprobs(model, tokens)
                     (-(lp * masks[t]).sum() / count).backward()
-                else:   # value i from the hidden state before token i, as loss 'value' reads it
-                    ids = torch.as_tensor(tokens, dtype=torch.long, device=device)[None]
-                    values = critic.head(model.model(input_ids=ids).last_hidden_state[0, :-1])[:, 0].double()
+                else:
+                    values = trajectory_values(model, critic.head, tokens)
                     target = torch.as_tensor(critic.returns[str(batch.ids[t])][1:], device=device)
                     (0.5 * ((values - target) ** 2 * masks[t]).sum() / count).backward()
                 rows += len(tokens)

@@ -277,6 +277,7 @@ def critic_line(family: str, model, lists, plan, fidelity) -> str:
     import torch
 
     from harts.executor.losses import LossConfig
+    from harts.executor.models.hf_reference import trajectory_values
     from harts.executor.runtime import run_step
 
     torch.manual_seed(2)
@@ -291,8 +292,7 @@ def critic_line(family: str, model, lists, plan, fidelity) -> str:
         p.grad = None
     total, count, worst_value = 0.0, sum(len(t) - 1 for t in lists), 0.0
     for i, tokens in enumerate(lists):
-        ids = torch.as_tensor(tokens, device=parameter.device)[None]
-        values = head(model.model(input_ids=ids).last_hidden_state[0, :-1])[:, 0].double()
+        values = trajectory_values(model, head, tokens)
         worst_value = max(worst_value, float(np.max(np.abs(result.values[str(i)][1:] - values.detach().cpu().numpy()))))
         total = total + 0.5 * ((values - torch.as_tensor(returns[i][1:], device=parameter.device)) ** 2).sum()
     (total / count).backward()

@@ -1,7 +1,9 @@
 """The reference nobody here wrote: the Hugging Face model run on one trajectory at a time.
 
 `trajectory_logprobs` runs the model's own forward on each trajectory alone
-and gathers log p(tokens[i] | tokens[:i]). `our_kda_core()` is a context
+and gathers log p(tokens[i] | tokens[:i]); `trajectory_values` runs its
+backbone under a critic's value head, v_i from the state before token i.
+`our_kda_core()` is a context
 manager that swaps transformers' slow torch fallback of the KDA chunk core for
 our chunk op (same math, checked against the fallback in
 tests/test_op_linear_attention.py); the benchmarks use it so that the
@@ -22,6 +24,13 @@ def trajectory_logprobs(model, tokens) -> torch.Tensor:
     ids = torch.as_tensor(tokens, dtype=torch.long, device=next(model.parameters()).device)[None]
     logits = model(input_ids=ids).logits[0].float()
     return torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+
+
+def trajectory_values(model, head, tokens) -> torch.Tensor:
+    """[n - 1] values of positions 1..n-1 (v_i from the hidden state of position i - 1, as loss 'value' reads
+    them), float64, from the backbone `model.model` run on this trajectory alone under `head`."""
+    ids = torch.as_tensor(tokens, dtype=torch.long, device=next(model.parameters()).device)[None]
+    return head(model.model(input_ids=ids).last_hidden_state[0, :-1])[:, 0].double()
 
 
 def _kda_core(query, key, value, g, beta, initial_state=None, output_final_state=False,
