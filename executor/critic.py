@@ -58,7 +58,7 @@ def critic_targets(plan: Plan, per_trajectory, name: str) -> np.ndarray | None:
         return None
     ids = [str(i) for i in plan.step["ids"]]
     lengths = np.diff(np.asarray(plan.step["token_offsets"], dtype=np.int64))
-    if isinstance(per_trajectory, Mapping) or hasattr(per_trajectory, "files"):   # np.load's NpzFile
+    if isinstance(per_trajectory, Mapping):   # np.load's NpzFile is one too
         given = {str(key): per_trajectory[key] for key in per_trajectory.keys()}
         missing = [i for i in ids if i not in given]
         if missing or len(given) != len(ids):

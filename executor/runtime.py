@@ -14,7 +14,6 @@ import math
 import operator
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,7 +21,7 @@ import torch
 
 from harts.executor.critic import flat_targets, head_values, value_head_of
 from harts.executor.layout import MODES, build_layout, expanded_groups
-from harts.executor.losses import (LOGPROB_POSITIONS, LossConfig, PositionMeta, check_objective_inputs,
+from harts.executor.losses import (LOGPROB_POSITIONS, VALUE, LossConfig, PositionMeta, check_objective_inputs,
                                     check_value_inputs, policy_loss, position_weights, trained_counts, value_loss)
 from harts.executor.models.moe import MoEStatistics
 from harts.executor.models.registry import runner_for
@@ -357,7 +356,7 @@ class _StepInputs:
     moe_scale: float             # 1 / moe_units: each unit's MoE terms enter as the step's mean
     top_k: int
     lm_head_weight: torch.Tensor | None   # None for a critic (loss 'value'): the LM head is not read
-    value_head: Callable | None = None    # loss 'value': final hidden states [R, D] -> values [R]
+    value_head: torch.nn.Module | None = None   # loss 'value': final hidden states [R, D] -> values [R]
     returns: np.ndarray | None = None     # loss 'value': float64 per flat position
     old_values: np.ndarray | None = None
 
@@ -367,8 +366,9 @@ def _step_inputs(plan: Plan, model, runner, mode: str, loss: LossConfig, pack_ex
     offsets = np.asarray(plan.step["token_offsets"], dtype=np.int64)
     weights = position_weights(plan.step["loss_mask"], offsets, loss.reduction)
     check_objective_inputs(plan.step.get("old_logprobs"), plan.step.get("ref_logprobs"), weights, loss)
-    returns, old_values = (flat_targets(name, given, len(weights))
-                           for name, given in (("returns", returns), ("old_values", old_values)))
+    if loss.kind == VALUE:   # another loss's targets stay as given: check_value_inputs refuses any
+        returns, old_values = (flat_targets(name, given, len(weights))
+                               for name, given in (("returns", returns), ("old_values", old_values)))
     check_value_inputs(returns, old_values, weights, loss, backward)
     if entropy and value_head is not None:
         raise UsageError("entropy=True asks for the policy's entropies, but loss 'value' runs a value head; fix: "

@@ -28,7 +28,7 @@ import numpy as np
 
 from harts.compiler.ir.trajectories import TrajectoryBatch, never_read, positive_logprob_warnings
 from harts.compiler.pipeline import CompileOptions, check_options, compile_batch
-from harts.executor.losses import LossConfig, Objective, PositionMeta, check_value_inputs
+from harts.executor.losses import VALUE, LossConfig, Objective, PositionMeta
 from harts.executor.critic import critic_targets
 from harts.executor.runtime import StepResult, run_step
 from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
@@ -332,9 +332,8 @@ def run(plan: Plan, model, *, loss: str | LossConfig | Objective = "nll", mode: 
     else:
         raise UsageError(f"loss must be a loss name, a LossConfig or a callable objective, got "
                          f"{type(loss).__name__}; fix: pass e.g. loss='grpo' or loss=LossConfig(kind='ppo')")
-    if config.kind != "value" and (returns is not None or old_values is not None):
-        check_value_inputs(returns, old_values, np.zeros(0), config)   # refuses them, in its words
-    targets = {name: critic_targets(plan, given, name) if isinstance(plan, Plan) else None
+    # Only a critic's targets are converted; given to another loss, run_step refuses them as they are.
+    targets = {name: critic_targets(plan, given, name) if config.kind == VALUE and isinstance(plan, Plan) else given
                for name, given in (("returns", returns), ("old_values", old_values))}
     return run_step(plan, model, mode=mode, loss=config, backward=backward, recompute=recompute, windows=windows,
                     logprobs=logprobs, accumulate=accumulate, entropy=entropy, device_timing=device_timing,
