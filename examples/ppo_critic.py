@@ -3,7 +3,9 @@
 Run: `python examples/ppo_critic.py` (CPU, about half a minute).
 
 The critic shares prefixes exactly as the policy does, so both run on plans
-of the same trajectories. One PPO step:
+of the same trajectories. The critic is the policy's family with a value head
+(`harts.critic_class("kimi_linear")`, the token-classification class HARTS adds
+where transformers has none), started from the policy's backbone. One PPO step:
 
 1. "roll out" step-wise agent trajectories (random tokens here) and score
    each with a reward on its last token;
@@ -23,10 +25,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import KimiLinearForCausalLM, Qwen3NextForTokenClassification
+from transformers import KimiLinearForCausalLM
 
 import harts.api as harts
-from harts.executor.models.init_model import kimi_linear_config, qwen3_next_config
+from harts.executor.models.init_model import kimi_linear_config
 
 VOCAB = 256
 CHUNK = 64
@@ -68,9 +70,10 @@ def main() -> None:
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     policy = KimiLinearForCausalLM(kimi_linear_config("tiny", VOCAB)).float()
-    config = qwen3_next_config("tiny", VOCAB)
+    config = kimi_linear_config("tiny", VOCAB)
     config.num_labels, config.classifier_dropout = 1, 0.0
-    critic = Qwen3NextForTokenClassification(config).float()   # its `score` head is the value head
+    critic = harts.critic_class("kimi_linear")(config).float()   # its `score` head is the value head
+    critic.model.load_state_dict(policy.model.state_dict())      # started from the policy's backbone
     policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=1e-3)
     system_prompt = rng.integers(3, VOCAB, 80).tolist()

@@ -28,7 +28,7 @@ from harts.schema.plan import read_plan
 from harts.schema.plan_invariants import require_valid_plan
 
 
-def _load_errors() -> tuple[type[BaseException], ...]:
+def load_errors() -> tuple[type[BaseException], ...]:
     """What loading a damaged or foreign model directory raises, as opposed to a bug of ours.
 
     A bad config.json gives OSError/ValueError/KeyError/TypeError; a truncated
@@ -69,7 +69,10 @@ def load_model(model_dir: str, dtype: str = "float32", critic: bool = False):
     from transformers.utils import logging as hf_logging
 
     if critic:
+        from harts.executor.models.critics import register_critics
+
         check_critic_config(model_dir)
+        register_critics()
     auto = AutoModelForTokenClassification if critic else AutoModelForCausalLM
 
     quiet_library_progress()
@@ -80,7 +83,7 @@ def load_model(model_dir: str, dtype: str = "float32", critic: bool = False):
     try:
         model, info = auto.from_pretrained(path, local_files_only=True, dtype=getattr(torch, dtype),
                                            ignore_mismatched_sizes=True, output_loading_info=True)
-    except _load_errors() as err:
+    except load_errors() as err:
         first = (str(err).strip().splitlines() or [""])[0]
         raise HartsError(f"{model_dir}: cannot load the model ({type(err).__name__}: {first}); "
                          "fix: pass a complete Hugging Face model directory (copy again or re-create a "
@@ -92,26 +95,20 @@ def load_model(model_dir: str, dtype: str = "float32", critic: bool = False):
 
 
 def check_critic_config(model_dir: str) -> None:
-    """Refuse, before any weights load, a `--loss value` model transformers cannot load as a critic with one
-    value per position (a family without a token-classification class, or num_labels other than 1)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
-
+    """Refuse, before any weights load, a `--loss value` model that is not a critic with one value per position
+    (a causal LM's folder, or num_labels other than 1). Every family HARTS runs has a critic class
+    (`harts.executor.models.critics`); a family it does not run is refused by `check_model_type`."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return   # the load says so
     if not isinstance(config, dict):
         return
-    model_type = config.get("model_type")
-    if isinstance(model_type, str) and model_type not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
-        raise HartsError(f"{model_dir}: transformers has no token-classification (critic) class for model type "
-                         f"{model_type!r}; fix: train this family's critic from Python, harts.api.run(plan, model, "
-                         "loss='value', value_head=...) (docs/integration.md#a-critic)")
     causal = [name for name in config.get("architectures") or () if str(name).endswith("ForCausalLM")]
     if causal:
         raise HartsError(f"{model_dir}: holds a causal LM ({causal[0]}), not a critic with a value head; fix: pass "
                          "the critic's folder (harts init-model --critic writes a random one; from a policy: "
-                         "AutoModelForTokenClassification.from_pretrained(dir, num_labels=1).save_pretrained(out))")
+                         "harts.api.critic_class(model_type).from_pretrained(dir, num_labels=1).save_pretrained(out))")
     labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
     if labels != 1:
         raise HartsError(f"{model_dir}: --loss value reads one value per position, but the config has {labels} "

@@ -33,7 +33,8 @@ def value_head_of(model, loss: LossConfig, value_head):
         if not isinstance(score, torch.nn.Module):
             raise UsageError(f"loss 'value' needs a value head, and {type(model).__name__} has no score layer; "
                              "fix: pass value_head=torch.nn.Linear(hidden_size, 1) (trained with the model), or "
-                             "load the critic as *ForTokenClassification with num_labels=1")
+                             "load the critic with one label: harts.critic_class(model_type), or "
+                             "harts.executor.models.critics.critic_from_policy(policy_dir)")
         dropout = getattr(model, "dropout", None)   # as the model's forward applies it before `score`
         return torch.nn.Sequential(dropout, score) if isinstance(dropout, torch.nn.Module) else score
     if not isinstance(value_head, torch.nn.Module):

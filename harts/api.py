@@ -37,8 +37,8 @@ from harts.schema.plan import read_plan as _read_plan_file
 from harts.schema.errors import HartsError, UsageError
 from harts.schema.plan_invariants import require_valid_plan
 
-__all__ = ["compile_trajectories", "run", "read_plan", "write_plan", "Plan", "StepResult", "LossConfig",
-           "Objective", "PositionMeta", "HartsError", "UsageError"]
+__all__ = ["compile_trajectories", "run", "read_plan", "write_plan", "critic_class", "Plan", "StepResult",
+           "LossConfig", "Objective", "PositionMeta", "HartsError", "UsageError"]
 
 
 def _as_numpy(values, dtype=None) -> np.ndarray:
@@ -293,6 +293,21 @@ def read_plan(path, *, check: bool = True) -> Plan:
     if check:
         require_valid_plan(str(path), plan)
     return plan
+
+
+def critic_class(model_type: str) -> type:
+    """The critic class of a family HARTS runs (`"kimi_linear"`, `"qwen3_next"`): its `*ForTokenClassification`,
+    transformers' or the one HARTS adds where transformers has none (`harts.executor.models.critics`), which
+    `AutoModelForTokenClassification` also loads once this has been called. Start a critic from the policy with
+    `critic_class(model_type).from_pretrained(policy_dir, num_labels=1)`: the backbone is the policy's, `score`
+    new."""
+    from harts.executor.models.critics import critic_class as family_critic, register_critics
+    from harts.executor.models.registry import RUNNERS
+
+    if model_type not in RUNNERS:
+        raise UsageError(f"model type {model_type!r} is not supported; fix: use one of {', '.join(sorted(RUNNERS))}")
+    register_critics()
+    return family_critic(model_type)
 
 
 def run(plan: Plan, model, *, loss: str | LossConfig | Objective = "nll", mode: str = "compact",

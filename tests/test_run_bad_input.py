@@ -323,6 +323,46 @@ def test_init_model_refuses_targets_it_must_not_write(tmp_path, capsys, target):
     assert (tmp_path / "afile").read_text() == "keep" and os.listdir(tmp_path / "notes") == ["todo.txt"]
 
 
+def test_init_model_refuses_a_critic_it_cannot_start_from_the_given_policy(tmp_path, capsys):
+    """`--critic --from POLICY`: each refusal one line before any weights load, and nothing written."""
+    policy, critic = tmp_path / "policy", tmp_path / "critic"
+    assert harts(["init-model", "--vocab-size", "16", "-o", str(policy)]) == 0
+    assert harts(["init-model", "--vocab-size", "16", "--critic", "-o", str(critic)]) == 0
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "torn").mkdir()
+    (tmp_path / "torn" / "config.json").write_text((policy / "config.json").read_text())
+    (tmp_path / "torn" / "model.safetensors").write_bytes(b"not safetensors")
+    from safetensors.torch import load_file, save_file
+    (tmp_path / "partial").mkdir()
+    (tmp_path / "partial" / "config.json").write_text((policy / "config.json").read_text())
+    weights = load_file(policy / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, tmp_path / "partial" / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    cases = [
+        (["--from", str(policy)], "--from is read with --critic only"),
+        (["--critic", "--from", str(policy), "--arch", "qwen3_next"], "--arch does not apply with --from"),
+        (["--critic", "--from", str(policy), "--vocab-size", "16"], "--vocab-size does not apply with --from"),
+        (["--critic", "--from", str(tmp_path / "missing")], "no such folder"),
+        (["--critic", "--from", str(tmp_path / "empty")], "cannot read its config.json"),
+        (["--critic", "--from", str(tmp_path / "llama")], "model type 'llama' is not supported"),
+        (["--critic", "--from", str(critic)], "not a causal LM"),
+        (["--critic", "--from", str(tmp_path / "torn")], "cannot load its weights"),
+        (["--critic", "--from", str(tmp_path / "partial")], "lack 1 backbone tensor(s) (first: model.norm.weight)"),
+        (["--critic", "--from", str(policy), "--seed", "-1"], "--seed -1"),
+    ]
+    for flags, message in cases:
+        assert harts(["init-model", *flags, "-o", str(tmp_path / "out")]) == 2, flags
+        err = one_line(capsys)
+        assert message in err and "fix:" in err, (flags, err)
+    assert harts(["init-model", "--critic", "--from", str(policy), "-o", str(policy), "--replace"]) == 2
+    assert "it is the --from folder" in one_line(capsys)
+    assert sorted(os.listdir(tmp_path)) == ["critic", "empty", "llama", "partial", "policy", "torn"]
+    assert json.loads((policy / "config.json").read_text())["architectures"] == ["KimiLinearForCausalLM"]
+
+
 def test_init_model_replaces_an_earlier_model_only_when_asked(tmp_path, capsys):
     target = tmp_path / "m"
     assert harts(["init-model", "--vocab-size", "16", "-o", str(target)]) == 0

@@ -1,9 +1,10 @@
 """Loss 'value': training a critic on the plan, against the Hugging Face critic run per trajectory.
 
 Run: `python -m pytest tests/test_value.py -q`. The references are the models' own forwards: a
-`Qwen3NextForTokenClassification` with one label (`critic(ids).logits`), and a Kimi Linear backbone
-(`model.model(ids).last_hidden_state`) under a separate linear head, each run on every trajectory alone
-and differentiated through PPO's clipped value loss (or the plain squared error) written out here.
+`Qwen3NextForTokenClassification` with one label (`critic(ids).logits`), Kimi Linear's critic (transformers'
+`GenericForTokenClassification` forward over the Kimi backbone, the class HARTS adds), and a Kimi Linear
+backbone (`model.model(ids).last_hidden_state`) under a separate linear head, each run on every trajectory
+alone and differentiated through PPO's clipped value loss (or the plain squared error) written out here.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 import harts.api as harts
 from harts.executor.losses import LossConfig
+from harts.executor.models.registry import RUNNERS
 from harts.executor.runtime import run_step
 from harts.schema.errors import UsageError
 
@@ -282,13 +284,56 @@ def test_harts_run_trains_a_saved_critic_as_the_api_does(critic_step, qwen_criti
     assert_gradients(grads, want.grads)
 
 
+def test_a_kimi_linear_critic_started_from_its_policy_trains_as_hugging_face_runs_it(critic_step, kimi, tmp_path,
+                                                                                    capsys):
+    """`harts init-model --critic --from POLICY` keeps the policy's backbone; `harts run --loss value` on it
+    (windows, two replicas, loss masks, clipped loss) gives each trajectory the values, loss and gradients
+    of the saved critic's own forward (transformers' GenericForTokenClassification) run on it alone."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForTokenClassification
+
+    from harts.cli import main as harts_main
+
+    folder, returns, old = critic_step
+    kimi.save_pretrained(tmp_path / "policy")
+    assert harts_main(["init-model", "--critic", "--from", str(tmp_path / "policy"), "--seed", "3",
+                       "-o", str(tmp_path / "critic")]) == 0
+    harts.critic_class("kimi_linear")
+    critic = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic").eval()
+    backbone = {name: p for name, p in critic.named_parameters() if name.startswith("model.")}
+    assert backbone and all(torch.equal(p, kimi.get_parameter(name)) for name, p in backbone.items())
+    assert critic.dropout.p == 0.0 and float(critic.score.weight.detach().abs().sum()) > 0
+
+    argv = ["run", str(folder / "step.plan"), "--model", str(tmp_path / "critic"), "--loss", "value",
+            "--returns", str(folder / "returns.npz"), "--old-values", str(folder / "old.npz"), "--value-clip",
+            str(CLIP), "--values-out", str(tmp_path / "values.npz"), "--grads-out", str(tmp_path / "g.safetensors"),
+            "--json"]
+    capsys.readouterr()
+    assert harts_main(argv) == 0
+    loss = json.loads(capsys.readouterr().out)["loss"]
+    records = [json.loads(line) for line in (folder / "trees.jsonl").read_text().splitlines()]
+    lists, masks = [r["tokens"] for r in records], [r["loss_mask"] for r in records]
+    by_index = {str(i): returns[r["id"]] for i, r in enumerate(records)}
+    old_by_index = {str(i): old[r["id"]] for i, r in enumerate(records)}
+    names = dict(critic.named_parameters())
+    want_values, want_loss, want = reference(lambda ids: critic(ids).logits[0, :, 0], list(names.values()),
+                                             lists, by_index, old_by_index, CLIP, masks)
+    assert abs(loss - want_loss) <= 1e-6 * max(1.0, want_loss)
+    values, grads = np.load(tmp_path / "values.npz"), load_file(tmp_path / "g.safetensors")
+    for record, want_v in zip(records, want_values):
+        got = values[record["id"]]
+        assert np.isnan(got[0]) and np.max(np.abs(got[1:] - want_v)) <= 1e-5, record["id"]
+    assert grads.keys() == {name for name, p in names.items() if p.requires_grad}
+    assert_gradients({id(names[n]): g for n, g in grads.items()}, want)
+
+
 def test_harts_run_refuses_critic_flags_it_cannot_honour(critic_step, tmp_path, capsys):
     from harts.cli import main as harts_main
 
     folder, _, _ = critic_step
     plan, critic, returns = str(folder / "step.plan"), str(folder / "critic"), str(folder / "returns.npz")
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text('{"model_type": "kimi_linear"}')
     (tmp_path / "broken.npz").write_bytes(b"not an npz")
     np.save(tmp_path / "one.npy", np.zeros(5))
     (tmp_path / "policy").mkdir()
@@ -306,8 +351,6 @@ def test_harts_run_refuses_critic_flags_it_cannot_honour(critic_step, tmp_path, 
         (["--model", critic, "--returns", returns], "--returns is read by --loss value only"),
         (["--model", critic, "--loss", "value", "--returns", returns, "--logprobs-out", str(tmp_path / "lp.npz")],
          "there are no log-probabilities"),
-        (["--model", str(tmp_path / "model"), "--loss", "value", "--returns", returns],
-         "no token-classification (critic) class for model type 'kimi_linear'"),
         (["--model", critic, "--loss", "value", "--returns", str(tmp_path / "broken.npz")],
          "cannot read it as an .npz"),
         (["--model", critic, "--loss", "value"], "needs returns"),
@@ -353,15 +396,19 @@ def test_two_ranks_train_the_critic_as_one_process(critic_step):
         np.testing.assert_allclose(v2[key][1:], v1[key][1:], rtol=0, atol=1e-6)
 
 
-def test_init_model_writes_a_critic_harts_run_trains(critic_step, tmp_path, capsys):
+@pytest.mark.parametrize("arch", sorted(RUNNERS))
+def test_init_model_writes_a_critic_harts_run_trains(critic_step, tmp_path, capsys, arch):
+    """Every family HARTS runs has a critic: init-model writes it, transformers' auto class loads it."""
     from transformers import AutoModelForTokenClassification
 
     from harts.cli import main as harts_main
 
     folder, _, _ = critic_step
-    assert harts_main(["init-model", "--arch", "qwen3_next", "--critic", "--vocab-size", str(VOCAB),
+    assert harts_main(["init-model", "--arch", arch, "--critic", "--vocab-size", str(VOCAB),
                        "-o", str(tmp_path / "critic")]) == 0
+    harts.critic_class(arch)   # registers the critic classes HARTS adds with the auto class
     critic = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic")
+    assert type(critic) is harts.critic_class(arch) and critic.config.model_type == arch
     assert critic.config.num_labels == 1 and critic.dropout.p == 0.0
     assert harts_main(["run", str(folder / "step.plan"), "--model", str(tmp_path / "critic"), "--loss", "value",
                        "--returns", str(folder / "returns.npz"), "--values-out", str(tmp_path / "v.npz")]) == 0
@@ -370,6 +417,3 @@ def test_init_model_writes_a_critic_harts_run_trains(critic_step, tmp_path, caps
     assert harts_main(["run", str(folder / "step.plan"), "--model", str(tmp_path / "critic"), "--loss", "value",
                        "--forward-only", "--values-out", str(tmp_path / "v2.npz")]) == 0
     assert ": values only (no --returns)," in capsys.readouterr().err
-    assert harts_main(["init-model", "--critic", "-o", str(tmp_path / "kimi")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "no token-classification class" in err[0] and not (tmp_path / "kimi").exists()

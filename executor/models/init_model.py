@@ -29,8 +29,6 @@ from harts.schema.atomic import check_can_create_under
 from harts.schema.errors import HartsError, OutputError, UsageError
 
 ARCHITECTURES = ("kimi_linear", "qwen3_next")
-# Families transformers has a token-classification (critic) class for: `--critic`.
-CRITIC_ARCHITECTURES = ("qwen3_next",)
 PRESETS = ("tiny", "small")
 
 
@@ -119,19 +117,19 @@ MAX_SEED = 2**64 - 1       # torch.manual_seed's range
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
 
 
-def check_arguments(arch: str, preset: str, vocab_size: int, seed: int, critic: bool = False) -> None:
+def check_arguments(arch: str, preset: str, vocab_size: int, seed: int) -> None:
     """Refuse values the model cannot be built from; ValueError naming the flag and the fix."""
     if arch not in ARCHITECTURES:
         raise UsageError(f"--arch {arch}: not supported; fix: use one of {', '.join(ARCHITECTURES)}")
-    if critic and arch not in CRITIC_ARCHITECTURES:
-        raise UsageError(f"--critic --arch {arch}: transformers has no token-classification class for this family; "
-                         f"fix: use --arch {' or '.join(CRITIC_ARCHITECTURES)}, or train a {arch} critic from Python "
-                         "with harts.api.run(..., value_head=...)")
     if preset not in PRESETS:
         raise UsageError(f"--preset {preset}: unknown preset; fix: use one of {', '.join(PRESETS)}")
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
         raise UsageError(f"--vocab-size {vocab_size}: must be an int in [{MIN_VOCAB}, {MAX_VOCAB:,}] (token ids "
                          "0, 1, 2 are pad, bos, eos); fix: pass the vocabulary size of your tokenizer or plan")
+    check_seed(seed)
+
+
+def check_seed(seed: int) -> None:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise UsageError(f"--seed {seed}: must be an int in [0, 2**64 - 1]; fix: pass a non-negative seed, e.g. 0")
 
@@ -178,30 +176,32 @@ def check_model_dir(out: str | os.PathLike, *, replace: bool = False) -> Path:
 
 def build_model(arch: str, preset: str, vocab_size: int, seed: int, critic: bool = False):
     """A randomly initialised model (float32, eval mode); the same arguments give the same weights. `critic`:
-    a token-classification model with one label (a value head, `harts run --loss value`) and no dropout
-    before it, instead of a causal LM."""
+    the family's token-classification model with one label (a value head, `harts run --loss value`) and no
+    dropout before it, instead of a causal LM (`harts.executor.models.critics`)."""
     quiet_library_progress()
     torch.manual_seed(seed)
+    config = (kimi_linear_config if arch == "kimi_linear" else qwen3_next_config)(preset, vocab_size)
     if critic:
-        from transformers import Qwen3NextForTokenClassification
+        from harts.executor.models.critics import critic_class
 
-        config = qwen3_next_config(preset, vocab_size)
         config.num_labels, config.classifier_dropout = 1, 0.0
-        return Qwen3NextForTokenClassification(config).float().eval()
-    if arch == "qwen3_next":
+        model = critic_class(arch)(config).float().eval()
+    elif arch == "qwen3_next":
         from transformers import Qwen3NextForCausalLM
 
-        return Qwen3NextForCausalLM(qwen3_next_config(preset, vocab_size)).float().eval()
-    from transformers import KimiLinearForCausalLM
+        model = Qwen3NextForCausalLM(config).float().eval()
+    else:
+        from transformers import KimiLinearForCausalLM
 
-    model = KimiLinearForCausalLM(kimi_linear_config(preset, vocab_size)).float().eval()
-    with torch.no_grad():
-        # The initialiser zeroes the score-correction bias; a non-zero one exercises
-        # the bias-adjusted expert choice as a trained model would.
-        for layer in model.model.layers:
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None:
-                gate.e_score_correction_bias.normal_(0.0, 0.05)
+        model = KimiLinearForCausalLM(config).float().eval()
+    if arch == "kimi_linear":
+        with torch.no_grad():
+            # The initialiser zeroes the score-correction bias; a non-zero one exercises
+            # the bias-adjusted expert choice as a trained model would.
+            for layer in model.model.layers:
+                gate = getattr(layer.mlp, "gate", None)
+                if gate is not None:
+                    gate.e_score_correction_bias.normal_(0.0, 0.05)
     return model
 
 
@@ -259,10 +259,51 @@ def init_model(arch: str, preset: str, out: str | Path, *, vocab_size: int = 512
     Every argument and the target are checked before any work (ValueError,
     OutputError: one line each); the folder appears only when complete.
     """
-    check_arguments(arch, preset, vocab_size, seed, critic)
+    check_arguments(arch, preset, vocab_size, seed)
     target = check_model_dir(out, replace=replace)
     model = build_model(arch, preset, vocab_size, seed, critic)
     save_atomically(model, target)
+    return model
+
+
+def critic_from_policy_folder(policy: str | Path, out: str | Path, *, seed: int = 0, replace: bool = False):
+    """Write a critic started from the causal-LM folder `policy` (`harts init-model --critic --from`): its
+    backbone, in its dtype, and a new one-output `score` seeded by `seed` (`critics.critic_from_policy`).
+
+    Refused before any weights load, one line each: a policy folder that is not a causal LM of a family HARTS
+    runs, `out` naming the policy's folder, and any target `check_model_dir` refuses."""
+    import json
+
+    from harts.executor.models.critics import critic_from_policy
+
+    check_seed(seed)   # the family and size are the policy's
+    source = Path(policy)
+    try:
+        config = json.loads((source / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        why = "no such folder" if not source.exists() else f"cannot read its config.json ({type(err).__name__})"
+        raise UsageError(f"--from {policy}: {why}; fix: pass the policy's Hugging Face folder") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type not in ARCHITECTURES:
+        raise UsageError(f"--from {policy}: model type {model_type!r} is not supported; fix: use a policy of "
+                         f"{' or '.join(ARCHITECTURES)}")
+    if not any(str(name).endswith("ForCausalLM") for name in config.get("architectures") or ()):
+        raise UsageError(f"--from {policy}: not a causal LM (architectures {config.get('architectures')}); fix: "
+                         "pass the policy's folder, whose backbone the critic starts from")
+    if Path(out).absolute().resolve() == source.absolute().resolve():
+        raise UsageError(f"-o {out}: it is the --from folder; fix: write the critic to another folder")
+    target = check_model_dir(out, replace=replace)
+    quiet_library_progress()
+    torch.manual_seed(seed)
+    from harts.executor.cli import load_errors
+
+    try:
+        model = critic_from_policy(source, local_files_only=True, dtype="auto")
+    except load_errors() as err:
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise UsageError(f"--from {policy}: cannot load its weights ({type(err).__name__}: {first}); fix: pass a "
+                         "complete causal-LM folder") from None
+    save_atomically(model.eval(), target)
     return model
 
 
@@ -272,9 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         epilog="The output folder must be new or empty; an earlier init-model output there is replaced only with "
                "--replace, and any other non-empty folder is refused. The folder appears only when complete "
                "(written beside it, then renamed).")
-    parser.add_argument("--arch", choices=ARCHITECTURES, default="kimi_linear", help="model family (default kimi_linear)")
-    parser.add_argument("--preset", choices=PRESETS, default="tiny", help="model size (default tiny)")
-    parser.add_argument("--vocab-size", type=int, default=512,
+    parser.add_argument("--arch", choices=ARCHITECTURES, default=None, help="model family (default kimi_linear)")
+    parser.add_argument("--preset", choices=PRESETS, default=None, help="model size (default tiny)")
+    parser.add_argument("--vocab-size", type=int, default=None,
                         help=f"vocabulary size, {MIN_VOCAB} to {MAX_VOCAB:,} (default 512)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed, >= 0 (default 0)")
     parser.add_argument("-o", "--output", required=True,
@@ -282,22 +323,41 @@ def main(argv: list[str] | None = None) -> int:
                              "output with --replace")
     parser.add_argument("--critic", action="store_true",
                         help="write a critic instead: the family's token-classification model with one label, for "
-                             "harts run --loss value (qwen3_next only)")
+                             "harts run --loss value")
+    parser.add_argument("--from", dest="policy", metavar="POLICY",
+                        help="with --critic: start the critic from this causal-LM folder (its backbone and dtype; "
+                             "a new value head seeded by --seed) instead of random weights")
     parser.add_argument("--replace", action="store_true",
                         help="replace an earlier harts init-model output at -o (never any other folder)")
     args = parser.parse_args(argv)
+    shape_flags = [flag for flag, value in (("--arch", args.arch), ("--preset", args.preset),
+                                            ("--vocab-size", args.vocab_size)) if value is not None]
+    conflict = None
+    if args.policy is not None and not args.critic:
+        conflict = "--from is read with --critic only; fix: pass --critic to start a critic from that policy"
+    elif args.policy is not None and shape_flags:
+        conflict = (f"{shape_flags[0]} does not apply with --from: the critic takes the policy's family and size; "
+                    f"fix: drop {shape_flags[0]}")
+    if conflict:
+        print(f"harts init-model: {conflict}", file=sys.stderr)
+        return 2
+    arch, preset = args.arch or "kimi_linear", args.preset or "tiny"
     try:
-        model = init_model(args.arch, args.preset, args.output, vocab_size=args.vocab_size, seed=args.seed,
-                           replace=args.replace, critic=args.critic)
+        if args.policy is not None:
+            model = critic_from_policy_folder(args.policy, args.output, seed=args.seed, replace=args.replace)
+        else:
+            model = init_model(arch, preset, args.output, vocab_size=512 if args.vocab_size is None else args.vocab_size, seed=args.seed,
+                               replace=args.replace, critic=args.critic)
     except HartsError as err:
         print(f"harts init-model: {err}", file=sys.stderr)
         return err.exit_code
     params = sum(p.numel() for p in model.parameters())
-    kind = ", critic" if args.critic else ""
-    print(f"harts init-model: {args.arch} ({args.preset}{kind}), {params:,} parameters -> {args.output}",
-          file=sys.stderr)
+    if args.policy is not None:
+        what = f"{model.config.model_type} critic from {args.policy}"
+    else:
+        what = f"{arch} ({preset}{', critic' if args.critic else ''})"
+    print(f"harts init-model: {what}, {params:,} parameters -> {args.output}", file=sys.stderr)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
