@@ -143,8 +143,12 @@ class PrefixCostModel:
     lcp: np.ndarray              # int64[N], lcp[0] == 0
     lcp_min: RangeMin            # range minimum over lcp: LCP(i, j) = lcp_min.min(i + 1, j)
     unique_prefix_sum: np.ndarray  # int64[N + 1], U[i] = sum_{j < i}(lengths[j] - lcp[j])
-    # Trees: maximal runs of positions with LCP > 0 to their neighbour. Position i's tree is
-    # [tree_start[i], tree_stop[i]); a position outside it shares no token with i.
+    # The prefix every trajectory of the step shares (a scaffold prompt), min(lcp[1:]); 0 for N < 2.
+    shared_depth: int
+    # Trees: maximal runs of positions with LCP > shared_depth to their neighbour. Position i's tree is
+    # [tree_start[i], tree_stop[i]); a position outside it shares exactly shared_depth tokens with i (the
+    # step-wide prompt alone, or nothing), so a step whose every rollout starts from one prompt still
+    # splits into its tasks' trees.
     tree_start: np.ndarray       # int64[N]
     tree_stop: np.ndarray        # int64[N]
 
@@ -155,12 +159,13 @@ class PrefixCostModel:
         np.cumsum(lengths - lcp, out=unique[1:])
         n = len(lengths)
         index = np.arange(n, dtype=np.int64)
-        roots = lcp == 0   # lcp[0] == 0: position 0 starts the first tree
+        shared_depth = int(lcp[1:].min()) if n > 1 else 0
+        roots = lcp <= shared_depth   # lcp[0] == 0: position 0 starts the first tree
         tree_start = np.maximum.accumulate(np.where(roots, index, 0)) if n else index
         # The next root after i (n past the last): the reversed running minimum of root indices.
         next_root = np.append(np.where(roots, index, n)[1:], n)
         tree_stop = np.minimum.accumulate(next_root[::-1])[::-1] if n else index
-        return PrefixCostModel(lengths, lcp, RangeMin.build(lcp), unique, tree_start, tree_stop)
+        return PrefixCostModel(lengths, lcp, RangeMin.build(lcp), unique, shared_depth, tree_start, tree_stop)
 
     @property
     def num_trajectories(self) -> int:

@@ -639,24 +639,28 @@ def test_member_growth_is_what_a_consumer_adds_to_hold_a_trajectory(seed):
         assert members.growth([x, x], [want.index(max(want)), 0]).tolist() == [max(want), want[0]]
 
 
+@pytest.mark.parametrize("prompt", [0, 7], ids=["no-shared-prompt", "a-step-wide-prompt"])
 @pytest.mark.parametrize("seed", range(3))
-def test_packing_growth_reads_only_consumers_in_the_runs_tree(seed):
+def test_packing_growth_reads_only_consumers_in_the_runs_tree(seed, prompt):
     """Repacking's growth query against its definition, C(members + run) - C(members), for every consumer:
     with many consumers and small trees (single trajectories, step-wise trees) it reads the LCPs of the
     consumers holding a member of the run's tree only, and every other one grows by the run's whole
-    cost; a tree spanning more positions than there are consumers reads them all. Both must be exact."""
+    cost less the step-wide prompt every trajectory starts with (none, or 7 tokens); a tree spanning
+    more positions than there are consumers reads them all. Both must be exact."""
     from harts.compiler.placement.packing import _Consumers
 
     rng = np.random.default_rng(seed)
     singles = [[200 + i] + rng.integers(0, 5, size=int(rng.integers(1, 6))).tolist() for i in range(30)]
-    lists = sorted(_step_wise_forest(seed, trees=3) + singles)
+    head = [900 + t for t in range(prompt)]
+    lists = sorted(head + t for t in _step_wise_forest(seed, trees=3) + singles)
     lengths, lcp = lengths_and_lcp(lists)
     model = PrefixCostModel.build(lengths, lcp)
     n = len(lists)
-    # Trees by definition: positions i, j share a token exactly when they lie in one tree.
+    assert model.shared_depth == prompt
+    # Trees by definition: positions i, j share more than the prompt exactly when they lie in one tree.
     for i in range(n):
         tree = range(int(model.tree_start[i]), int(model.tree_stop[i]))
-        assert all((lists[i][0] == lists[j][0]) == (j in tree) for j in range(n)), i
+        assert all((lists[i][prompt] == lists[j][prompt]) == (j in tree) for j in range(n)), i
     count = 12
     consumers = _Consumers(model, count)
     assigned = rng.random(n) < 0.5
@@ -677,6 +681,9 @@ def test_packing_growth_reads_only_consumers_in_the_runs_tree(seed):
         gone = np.asarray(consumers.members[k][::2], dtype=np.int64)
         consumers.remove(k, gone, 0)
     consumers.remove(1, np.asarray(consumers.members[1], dtype=np.int64), 0)
+    run = np.flatnonzero(~assigned)[:1]   # an empty consumer shares nothing, not even the prompt
+    want = [model.cost(sorted(members + run.tolist())) - model.cost(members) for members in consumers.members]
+    assert consumers.growth(run, model.cost(run)).tolist() == want and want[1] == lengths[run[0]]
     assert consumers.fill_empty() and consumers.members[1]
     placed = np.zeros(n, dtype=bool)
     placed[[x for members in consumers.members for x in members]] = True

@@ -78,69 +78,69 @@ class _Consumers:
         self.full = np.zeros(count, dtype=np.int64)
         self.load = np.zeros(count, dtype=np.int64)
         self.owner = np.full(model.num_trajectories, -1, dtype=np.int64)   # consumer of each position
-        # Every (consumer, member) as consumer * (N + 1) + position, sorted: one searchsorted finds each
-        # consumer's members either side of a position (per-consumer bisects cost ~1 us each, and a
-        # unit of a step-wide prompt asks every consumer of the cell).
-        self.keys = np.empty(0, dtype=np.int64)
+        # Each consumer's first and last member (N and -1 while empty): whether it has a member outside a tree.
+        self.lowest = np.full(count, model.num_trajectories, dtype=np.int64)
+        self.highest = np.full(count, -1, dtype=np.int64)
 
     def growth(self, positions: np.ndarray, run_cost: int, which=None) -> np.ndarray:
         """Exact C increase of adding a run (consecutive in its cell, so no member lies inside it)
         to each consumer, or to the consumers listed in `which`.
 
-        Only a consumer with a member in the run's tree (`PrefixCostModel.tree_start`/`tree_stop`) can
-        share a row with it: every other one grows by the run's whole cost. So the exact LCPs are read
-        for those consumers alone, and a cell of thousands of consumers and small trees costs each unit
-        a slice of `owner`, not a pass over every consumer's members (10,000 independent trajectories
-        at capacity 1,000: 2,500 consumers, where L2 took 181 s)."""
-        count = len(self.members)
-        if which is None:
-            start, stop = self.model.tree_start[int(positions[0])], self.model.tree_stop[int(positions[-1])]
-            if stop - start >= count:   # a tree as large as the cell (one prompt): read every consumer
-                return self._exact_growth(positions, run_cost, range(count))
-            tree = self.owner[start:stop]
-            sharing = np.zeros(count, dtype=bool)
-            sharing[tree[tree >= 0]] = True
-            out = np.full(count, run_cost, dtype=np.int64)
-            if sharing.any():
-                chosen = np.flatnonzero(sharing)
-                out[chosen] = self._exact_growth(positions, run_cost, chosen.tolist())
-            return out
-        return self._exact_growth(positions, run_cost, which)
-
-    def _exact_growth(self, positions: np.ndarray, run_cost: int, chosen) -> np.ndarray:
+        C grows by the run's cost less the rows it shares with the consumer's nearest members below and
+        above it. Outside the run's tree (`PrefixCostModel.tree_start`/`tree_stop`) a member shares
+        exactly the step-wide prompt with it, so the nearest members are looked up in the tree's slice of
+        `owner` alone, and only the LCPs of members found there are read: a unit costs a pass over its
+        tree, not over the cell's members (10,000 independent trajectories at capacity 1,000: 2,500
+        consumers, where L2 took 181 s; 40,000 trajectories under one 500-token prompt: packing took
+        10.0 s while a prompt made the whole step one tree and every member was looked up)."""
         model = self.model
-        n = model.num_trajectories
+        n, depth = model.num_trajectories, model.shared_depth
         first, last = int(positions[0]), int(positions[-1])
-        base = np.asarray(chosen, dtype=np.int64) * (n + 1)
-        keys = self.keys
-        at = np.searchsorted(keys, base + first)
-        previous = keys[np.maximum(at - 1, 0)] if len(keys) else base
-        following = keys[np.minimum(at, len(keys) - 1)] if len(keys) else base
-        below = np.where((at > 0) & (previous >= base), previous - base, -1)
-        above = np.where((at < len(keys)) & (following < base + n + 1), following - base, n)
-        # One range-minimum query for the three LCPs of every consumer (left, right, joined):
-        # this runs once per unit and consumer, and numpy's per-call cost dominates small arrays.
-        count = len(below)
+        start, stop = int(model.tree_start[first]), int(model.tree_stop[last])
+        chosen = np.arange(len(self.members)) if which is None else np.asarray(which, dtype=np.int64)
+        # Every consumer with no member in the tree shares the prompt with the run, or nothing if empty.
+        out = np.where(self.highest[chosen] >= 0, run_cost - depth, run_cost)
+        left, right = self.owner[start:first], self.owner[last + 1:stop]
+        if left.max(initial=-1) < 0 and right.max(initial=-1) < 0:
+            return out
+        # Consumers with a member in the tree: their nearest members below and above the run there
+        # (-1 / n: none in the tree).
+        slot = np.full(len(self.members), -1, dtype=np.int64)
+        slot[chosen] = np.arange(len(chosen))
+        below, above = np.full(len(chosen), -1, dtype=np.int64), np.full(len(chosen), n, dtype=np.int64)
+        held = np.flatnonzero(left >= 0)
+        held = held[slot[left[held]] >= 0]
+        np.maximum.at(below, slot[left[held]], start + held)
+        held = np.flatnonzero(right >= 0)
+        held = held[slot[right[held]] >= 0]
+        np.minimum.at(above, slot[right[held]], last + 1 + held)
+        inside = np.flatnonzero((below >= 0) | (above < n))
+        below, above, chosen = below[inside], above[inside], chosen[inside]
+        count = len(inside)
+        # A member outside the tree shares `depth` rows with the run, and with anything on its other side.
+        outside_below = (below < 0) & (self.lowest[chosen] < start)
+        outside_above = (above >= n) & (self.highest[chosen] >= stop)
         lcp = model.neighbour_lcp(np.concatenate([below, np.full(count, last), below]),
                                   np.concatenate([np.full(count, first), above, above]))
-        return run_cost - lcp[:count] - lcp[count:2 * count] + lcp[2 * count:]
+        lcp_below = np.where(outside_below, depth, lcp[:count])
+        lcp_above = np.where(outside_above, depth, lcp[count:2 * count])
+        joined = np.where(outside_below & (above < n) | outside_above & (below >= 0), depth, lcp[2 * count:])
+        out[inside] = run_cost - lcp_below - lcp_above + joined
+        return out
 
     def add(self, k: int, positions: np.ndarray, growth: int, own: int) -> None:
         members = self.members[k]
         at = bisect.bisect_left(members, int(positions[0]))
         members[at:at] = positions.tolist()
-        self._insert_keys(k, positions)
         self.full[k] += growth
         self.load[k] += own
         self.owner[positions] = k
+        self._bounds(k)
 
-    def _insert_keys(self, k: int, positions) -> None:
-        new = k * (self.model.num_trajectories + 1) + np.asarray(positions, dtype=np.int64)
-        self.keys = np.insert(self.keys, np.searchsorted(self.keys, new), new)
-
-    def _remove_keys(self, k: int, positions) -> None:
-        gone = k * (self.model.num_trajectories + 1) + np.asarray(positions, dtype=np.int64)
-        self.keys = self.keys[~np.isin(self.keys, gone)]
+    def _bounds(self, k: int) -> None:
+        members = self.members[k]
+        self.lowest[k] = members[0] if members else self.model.num_trajectories
+        self.highest[k] = members[-1] if members else -1
 
     def fill_empty(self) -> bool:
         """Give each empty consumer the first position of the consumer with the most members; False when
@@ -156,20 +156,19 @@ class _Consumers:
             position = self.members[donor].pop(0)
             self.members[k] = [position]
             self.owner[position] = k
-            self._remove_keys(donor, [position])
-            self._insert_keys(k, [position])
             for c in (donor, k):
                 self.full[c] = self.model.cost(np.asarray(self.members[c], dtype=np.int64))
+                self._bounds(c)
         return True
 
     def remove(self, k: int, positions: np.ndarray, own: int) -> None:
         """Take a unit's positions out of consumer k (its complete layout is recounted)."""
         remaining = sorted(set(self.members[k]) - set(positions.tolist()))
         self.members[k] = remaining
-        self._remove_keys(k, positions)
         self.full[k] = self.model.cost(np.asarray(remaining, dtype=np.int64))
         self.load[k] -= own
         self.owner[positions] = -1
+        self._bounds(k)
 
 
 def pack_units(model: PrefixCostModel, units: list, count: int, capacity: int) -> list[list[int]] | None:
