@@ -23,7 +23,7 @@ from harts.compiler.passes.place_windows import L2Options, place_windows, verify
 from harts.compiler.placement import candidates, exchange, scoring
 from harts.compiler.placement import refine as refine_module
 from harts.compiler.placement.refine import _closest_swaps
-from harts.compiler.placement.evaluation import NO_CAP, Evaluation, evaluate, reevaluate
+from harts.compiler.placement.evaluation import NO_CAP, Evaluation, evaluate, reevaluate, reevaluate_within_cell
 from harts.compiler.prefix_cost import PrefixCostModel
 from harts.compiler.pipeline import CompileOptions, compile_batch
 from harts.schema.errors import PassFailedError, VerificationError
@@ -209,6 +209,30 @@ def test_reevaluating_the_touched_cells_equals_a_full_evaluation(lists, dp, swap
     cells = np.union1d(cell_of_consumer[[a, b]], moved_cells[[a, b]])
     partial = reevaluate(model, options, base, moved_consumers, moved_cells, caps, cells, members_changed=not swap)
     full = evaluate(model, options, moved_consumers, moved_cells, caps, K, G)
+    for name in Evaluation.__slots__:
+        np.testing.assert_array_equal(getattr(partial, name), getattr(full, name), err_msg=name)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(forests(), st.integers(2, 3), st.randoms(use_true_random=False))
+def test_a_move_inside_one_cell_re_evaluated_from_its_two_consumers_equals_a_full_evaluation(lists, dp, rng):
+    """Refinement's commonest trial, some members of consumer a moved to b of the same cell (or a's all, or
+    none), re-evaluated from those two consumers' positions alone: field by field what `evaluate` gives."""
+    lengths, model, K, consumer_of = shuffled_consumers(lists, dp, rng)
+    G = 2 * dp
+    cell_of_consumer = np.array([rng.randrange(G) for _ in range(K)], dtype=np.int64)
+    caps = np.array([rng.choice([NO_CAP, rng.randrange(1, 8)]) for _ in range(G)], dtype=np.int64)
+    options = L2Options()
+    a, b = rng.randrange(K), rng.randrange(K)
+    cell_of_consumer[b] = cell_of_consumer[a]
+    base = evaluate(model, options, consumer_of, cell_of_consumer, caps, K, G)
+    members = np.flatnonzero(consumer_of == a)
+    taken = np.array(sorted(rng.sample(members.tolist(), rng.randrange(len(members) + 1))), dtype=np.int64)
+    moved = consumer_of.copy()
+    moved[taken] = b
+    partial = reevaluate_within_cell(model, options, base, moved, cell_of_consumer, caps, int(cell_of_consumer[a]),
+                                     [a, b])
+    full = evaluate(model, options, moved, cell_of_consumer, caps, K, G)
     for name in Evaluation.__slots__:
         np.testing.assert_array_equal(getattr(partial, name), getattr(full, name), err_msg=name)
 

@@ -87,6 +87,73 @@ def reevaluate(model: PrefixCostModel, options: L2Options, base: Evaluation, con
                    for name in ("pro_n", "pro_f", "pro_b")))
 
 
+def reevaluate_within_cell(model: PrefixCostModel, options: L2Options, base: Evaluation, consumer_of: np.ndarray,
+                           cell_of_consumer: np.ndarray, cap_of_cell: np.ndarray, cell: int,
+                           consumers) -> Evaluation:
+    """`evaluate` of an assignment that differs from `base`'s only in which of `consumers` (all in `cell`,
+    before and after) holds which positions, under `base`'s caps; in time of those consumers' positions.
+
+    The cell keeps its positions, so every position's LCP with the previous position of its cell is
+    `base`'s; a position of any other consumer C of the cell sees the same members outside C, so its cached
+    depth is `base`'s too. Only the moved consumers' positions are re-evaluated, and the cell's producer
+    sums change by their contributions alone (exact integers, as `evaluate_positions`' are).
+    """
+    n = model.num_trajectories
+    K = len(cell_of_consumer)
+    touched = np.zeros(K, dtype=bool)
+    touched[np.asarray(consumers, dtype=np.int64)] = True
+    in_cell = np.flatnonzero(cell_of_consumer[consumer_of] == cell)   # the cell's positions, sorted
+    labels = consumer_of[in_cell]
+    local = np.flatnonzero(touched[labels])
+    positions, consumer = in_cell[local], labels[local]
+    m, size = len(positions), len(in_cell)
+
+    by_consumer = np.argsort(consumer, kind="stable")
+    same = consumer[by_consumer[1:]] == consumer[by_consumer[:-1]]
+    lcp_consumer = np.zeros(m, dtype=np.int64)
+    lcp_consumer[by_consumer[1:]] = np.where(
+        same, model.neighbour_lcp(np.where(same, positions[by_consumer[:-1]], -1), positions[by_consumer[1:]]), 0)
+    # Runs of one consumer in the cell's sorted positions; the nearest member of another consumer is just
+    # outside the run (as in `evaluate_positions`, for one cell).
+    new_run = np.ones(size, dtype=bool)
+    new_run[1:] = labels[1:] != labels[:-1]
+    run_start, run_end = (bound[local] for bound in _run_bounds(new_run))
+    below = np.where(run_start > 0, in_cell[np.maximum(run_start - 1, 0)], -1)
+    above = np.where(run_end < size - 1, in_cell[np.minimum(run_end + 1, size - 1)], n)
+    below_above = model.neighbour_lcp(np.concatenate([below, positions]), np.concatenate([positions, above]))
+    lengths = model.lengths[positions]
+    cached = np.minimum(np.minimum(np.maximum(below_above[:m], below_above[m:]), lengths), cap_of_cell[cell])
+
+    tf, pf, tb, pb = (options.token_cost_forward, options.pair_cost_forward,
+                      options.token_cost_backward, options.pair_cost_backward)
+    start = np.maximum(lcp_consumer, cached)
+    q = lengths - start
+    res_n, res_f, res_b, full = (base.res_n.copy(), base.res_f.copy(), base.res_b.copy(), base.full.copy())
+    moved = np.flatnonzero(touched)
+    res_n[moved] = np.bincount(consumer, weights=q, minlength=K).astype(np.int64)[moved]
+    res_f[moved] = tf * res_n[moved] + pf * np.bincount(
+        consumer, weights=q * start + q * (q + 1) // 2, minlength=K).astype(np.int64)[moved]
+    res_b[moved] = tb * res_n[moved] + pb * np.bincount(consumer, weights=q * lengths, minlength=K).astype(np.int64)[moved]
+    full[moved] = np.bincount(consumer, weights=lengths - lcp_consumer, minlength=K).astype(np.int64)[moved]
+
+    lcp_cell = base.lcp_cell[positions]
+
+    def producer_terms(cached_depth: np.ndarray) -> tuple[int, int, int]:
+        top = np.maximum(cached_depth, lcp_cell)
+        pq = top - lcp_cell
+        rows = int(pq.sum())
+        return (rows, tf * rows + pf * int((pq * lcp_cell + pq * (pq + 1) // 2).sum()),
+                tb * rows + pb * int((pq * top).sum()))
+
+    pro_n, pro_f, pro_b = base.pro_n.copy(), base.pro_f.copy(), base.pro_b.copy()
+    for total, new, old in zip((pro_n, pro_f, pro_b), producer_terms(cached), producer_terms(base.cached[positions])):
+        total[cell] += new - old
+    out_cached, out_lcp_consumer = base.cached.copy(), base.lcp_consumer.copy()
+    out_cached[positions] = cached
+    out_lcp_consumer[positions] = lcp_consumer
+    return Evaluation(out_cached, out_lcp_consumer, base.lcp_cell, full, res_n, res_f, res_b, pro_n, pro_f, pro_b)
+
+
 def evaluate_positions(model: PrefixCostModel, options: L2Options, positions: np.ndarray, consumer_of: np.ndarray,
                        cell_of_consumer: np.ndarray, cap_of_cell: np.ndarray, K: int, G: int,
                         lcp_consumer: np.ndarray | None = None) -> Evaluation:
@@ -100,7 +167,6 @@ def evaluate_positions(model: PrefixCostModel, options: L2Options, positions: np
     n = model.num_trajectories
     m = len(positions)
     lengths = model.lengths[positions]
-    local = np.arange(m, dtype=np.int64)
     consumer = consumer_of[positions]
     cell = cell_of_consumer[consumer]
 
@@ -123,10 +189,7 @@ def evaluate_positions(model: PrefixCostModel, options: L2Options, positions: np
     # of another consumer is just outside the run.
     new_run = np.ones(m, dtype=bool)
     new_run[1:] = ~same_cell | (consumer_sorted[1:] != consumer_sorted[:-1])
-    run_start = np.maximum.accumulate(np.where(new_run, local, 0))
-    run_last = np.ones(m, dtype=bool)
-    run_last[:-1] = new_run[1:]
-    run_end = np.minimum.accumulate(np.where(run_last, local, m)[::-1])[::-1]
+    run_start, run_end = _run_bounds(new_run)
     before = run_start - 1
     before_ok = (before >= 0) & (cell_sorted[np.maximum(before, 0)] == cell_sorted)
     after = run_end + 1
@@ -157,3 +220,14 @@ def evaluate_positions(model: PrefixCostModel, options: L2Options, positions: np
     pro_f = tf * pro_n + pf * np.bincount(cell, weights=pq * lcp_cell + pq * (pq + 1) // 2, minlength=G).astype(np.int64)
     pro_b = tb * pro_n + pb * np.bincount(cell, weights=pq * top, minlength=G).astype(np.int64)
     return Evaluation(cached, lcp_consumer, lcp_cell, full, res_n, res_f, res_b, pro_n, pro_f, pro_b)
+
+
+def _run_bounds(new_run: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """First and last index of the run holding each element, runs starting where `new_run` is True
+    (`new_run[0]` must be)."""
+    index = np.arange(len(new_run), dtype=np.int64)
+    run_start = np.maximum.accumulate(np.where(new_run, index, 0))
+    run_last = np.ones(len(new_run), dtype=bool)
+    run_last[:-1] = new_run[1:]
+    run_end = np.minimum.accumulate(np.where(run_last, index, len(new_run))[::-1])[::-1]
+    return run_start, run_end

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harts.compiler.placement.evaluation import Evaluation, evaluate, reevaluate
+from harts.compiler.placement.evaluation import Evaluation, evaluate, reevaluate, reevaluate_within_cell
 from harts.compiler.placement.options import L2Options
 from harts.compiler.prefix_cost import PrefixCostModel
 
@@ -206,8 +206,14 @@ def trial_score(model: PrefixCostModel, options: L2Options, trial: Layout, dp: i
     """
     consumers = np.asarray(consumers, dtype=np.int64)
     cells = np.union1d(parent.cell_of_consumer[consumers], trial.cell_of_consumer[consumers])
-    ev = reevaluate(model, options, parent.ev, trial.consumer_of, trial.cell_of_consumer, trial.cap_of_cell, cells,
-                    members_changed=trial.consumer_of is not parent.consumer_of)
+    members_changed = trial.consumer_of is not parent.consumer_of
+    if len(cells) == 1 and members_changed and trial.cap_of_cell[cells[0]] == parent.cap_of_cell[cells[0]]:
+        # A move inside one cell (most of refinement's trials): only the two consumers' positions change.
+        ev = reevaluate_within_cell(model, options, parent.ev, trial.consumer_of, trial.cell_of_consumer,
+                                    trial.cap_of_cell, int(cells[0]), consumers)
+    else:
+        ev = reevaluate(model, options, parent.ev, trial.consumer_of, trial.cell_of_consumer, trial.cap_of_cell,
+                        cells, members_changed=members_changed)
     oversized = np.flatnonzero(ev.pro_n > capacity)
     if recap is not None and oversized.size and ev.full.max(initial=0) <= capacity:
         # Only the trial's cells changed, so only their producers can overflow; each gets its largest cap.
