@@ -98,17 +98,19 @@ def check_critic_config(model_dir: str) -> None:
     """Refuse, before any weights load, a `--loss value` model that is not a critic with one value per position
     (a causal LM's folder, or num_labels other than 1). Every family HARTS runs has a critic class
     (`harts.executor.models.critics`); a family it does not run is refused by `check_model_type`."""
+    from harts.executor.models.registry import config_architectures
+
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return   # the load says so
     if not isinstance(config, dict):
         return
-    causal = [name for name in config.get("architectures") or () if str(name).endswith("ForCausalLM")]
+    causal = [name for name in config_architectures(config) if name.endswith("ForCausalLM")]
     if causal:
         raise HartsError(f"{model_dir}: holds a causal LM ({causal[0]}), not a critic with a value head; fix: pass "
-                         "the critic's folder (harts init-model --critic writes a random one; from a policy: "
-                         "harts.api.critic_class(model_type).from_pretrained(dir, num_labels=1).save_pretrained(out))")
+                         f"the critic's folder (harts init-model --critic --from {model_dir} -o CRITIC starts one "
+                         "from this policy; harts init-model --critic writes a random one)")
     labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
     if labels != 1:
         raise HartsError(f"{model_dir}: --loss value reads one value per position, but the config has {labels} "

@@ -298,9 +298,9 @@ def read_plan(path, *, check: bool = True) -> Plan:
 def critic_class(model_type: str) -> type:
     """The critic class of a family HARTS runs (`"kimi_linear"`, `"qwen3_next"`): its `*ForTokenClassification`,
     transformers' or the one HARTS adds where transformers has none (`harts.executor.models.critics`), which
-    `AutoModelForTokenClassification` also loads once this has been called. Start a critic from the policy with
-    `critic_class(model_type).from_pretrained(policy_dir, num_labels=1)`: the backbone is the policy's, `score`
-    new."""
+    `AutoModelForTokenClassification` also loads once this has been called. Start a critic from a policy with
+    `harts.executor.models.critics.critic_from_policy(policy_dir)` (or `harts init-model --critic --from`): the
+    policy's backbone, a new `score`, no dropout before it."""
     from harts.executor.models.critics import critic_class as family_critic, register_critics
     from harts.executor.models.registry import RUNNERS
 

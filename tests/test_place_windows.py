@@ -700,6 +700,7 @@ def test_packing_growth_reads_only_consumers_in_the_runs_tree(seed, prompt):
         want = [model.cost(sorted(members + run.tolist())) - model.cost(members) for members in consumers.members]
         assert consumers.growth(run, model.cost(run)).tolist() == want, (start, stop)
         assert consumers.growth(run, model.cost(run), [3, 0]).tolist() == [want[3], want[0]]
+        assert consumers.growth(run, model.cost(run), [0, 5, 0]).tolist() == [want[0], want[5], want[0]]
     # Members taken out (and a consumer emptied, then refilled by fill_empty) are gone from every query.
     for k in range(0, count, 3):
         gone = np.asarray(consumers.members[k][::2], dtype=np.int64)

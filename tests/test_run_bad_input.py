@@ -359,8 +359,38 @@ def test_init_model_refuses_a_critic_it_cannot_start_from_the_given_policy(tmp_p
         assert message in err and "fix:" in err, (flags, err)
     assert harts(["init-model", "--critic", "--from", str(policy), "-o", str(policy), "--replace"]) == 2
     assert "it is the --from folder" in one_line(capsys)
+    assert harts(["init-model", "--critic", "--from", "", "-o", str(tmp_path / "out")]) == 2
+    assert "the policy folder path is empty" in one_line(capsys)
+    assert harts(["init-model", "--critic", "--from", str(tmp_path / "partial"), "-o", str(tmp_path / "out")]) == 2
+    assert "cannot load" not in one_line(capsys)   # the missing tensor's own line, not wrapped in another
     assert sorted(os.listdir(tmp_path)) == ["critic", "empty", "llama", "partial", "policy", "torn"]
     assert json.loads((policy / "config.json").read_text())["architectures"] == ["KimiLinearForCausalLM"]
+
+
+def test_init_model_starts_a_critic_whatever_architectures_a_policy_lists(tmp_path, capsys):
+    """config.json's `architectures` may be missing or malformed (the family is `model_type`'s); a string
+    naming another class is still refused. A sharded critic init-model wrote is replaced with --replace."""
+    policy = tmp_path / "policy"
+    assert harts(["init-model", "--vocab-size", "16", "-o", str(policy)]) == 0
+    config = json.loads((policy / "config.json").read_text())
+    for name, value in (("missing", None), ("number", 5), ("string", "KimiLinearForCausalLM")):
+        folder = tmp_path / name
+        shutil.copytree(policy, folder)
+        (folder / "config.json").write_text(json.dumps({**config, "architectures": value}))
+        assert harts(["init-model", "--critic", "--from", str(folder), "-o", str(tmp_path / f"critic-{name}")]) == 0
+    (tmp_path / "number" / "config.json").write_text(json.dumps({**config, "architectures": "KimiLinearModel"}))
+    capsys.readouterr()
+    assert harts(["init-model", "--critic", "--from", str(tmp_path / "number"), "-o", str(tmp_path / "x")]) == 2
+    assert "not a causal LM (architectures KimiLinearModel)" in one_line(capsys)
+
+    from harts.api import critic_class
+    sharded = tmp_path / "critic-missing"
+    model = critic_class("kimi_linear").from_pretrained(sharded)
+    shutil.rmtree(sharded)
+    model.save_pretrained(sharded, max_shard_size="200KB")   # a large policy's critic is written in shards
+    assert any(name.startswith("model-00001-of-") for name in os.listdir(sharded))
+    assert harts(["init-model", "--critic", "--from", str(policy), "-o", str(sharded), "--replace"]) == 0
+    assert sorted(os.listdir(sharded)) == ["config.json", "model.safetensors"]
 
 
 def test_init_model_replaces_an_earlier_model_only_when_asked(tmp_path, capsys):

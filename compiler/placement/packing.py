@@ -93,6 +93,11 @@ class _Consumers:
         tree, not over the cell's members (10,000 independent trajectories at capacity 1,000: 2,500
         consumers, where L2 took 181 s; 40,000 trajectories under one 500-token prompt: packing took
         10.0 s while a prompt made the whole step one tree and every member was looked up)."""
+        if which is not None:
+            listed = np.asarray(which, dtype=np.int64)
+            distinct, back = np.unique(listed, return_inverse=True)
+            if len(distinct) < len(listed):   # each consumer looked up once below
+                return self.growth(positions, run_cost, distinct)[back]
         model = self.model
         n, depth = model.num_trajectories, model.shared_depth
         first, last = int(positions[0]), int(positions[-1])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import secrets
 import sys
 from pathlib import Path
@@ -115,6 +116,8 @@ MAX_SEED = 2**64 - 1       # torch.manual_seed's range
 # What save_pretrained writes for these models; a folder holding only these
 # (and a config.json of a supported family) is an earlier init-model output.
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
+# ... and, for a large model (a critic started from a policy: `--from`), its weights in shards.
+SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def check_arguments(arch: str, preset: str, vocab_size: int, seed: int) -> None:
@@ -139,7 +142,7 @@ def _is_earlier_model(folder: Path) -> bool:
     import json
 
     names = {f.name for f in folder.iterdir()}
-    if "config.json" not in names or not names <= set(MODEL_FILES):
+    if "config.json" not in names or not all(name in MODEL_FILES or SHARD.fullmatch(name) for name in names):
         return False
     try:
         return json.loads((folder / "config.json").read_text()).get("model_type") in ARCHITECTURES
@@ -275,8 +278,11 @@ def critic_from_policy_folder(policy: str | Path, out: str | Path, *, seed: int 
     import json
 
     from harts.executor.models.critics import critic_from_policy
+    from harts.executor.models.registry import config_architectures
 
     check_seed(seed)   # the family and size are the policy's
+    if not os.fspath(policy):
+        raise UsageError("--from: the policy folder path is empty; fix: pass the policy's Hugging Face folder")
     source = Path(policy)
     try:
         config = json.loads((source / "config.json").read_text())
@@ -287,9 +293,10 @@ def critic_from_policy_folder(policy: str | Path, out: str | Path, *, seed: int 
     if model_type not in ARCHITECTURES:
         raise UsageError(f"--from {policy}: model type {model_type!r} is not supported; fix: use a policy of "
                          f"{' or '.join(ARCHITECTURES)}")
-    if not any(str(name).endswith("ForCausalLM") for name in config.get("architectures") or ()):
-        raise UsageError(f"--from {policy}: not a causal LM (architectures {config.get('architectures')}); fix: "
-                         "pass the policy's folder, whose backbone the critic starts from")
+    names = config_architectures(config)
+    if names and not any(name.endswith("ForCausalLM") for name in names):   # none listed: model_type decides
+        raise UsageError(f"--from {policy}: not a causal LM (architectures {', '.join(names)}); fix: pass the "
+                         "policy's folder, whose backbone the critic starts from")
     if Path(out).absolute().resolve() == source.absolute().resolve():
         raise UsageError(f"-o {out}: it is the --from folder; fix: write the critic to another folder")
     target = check_model_dir(out, replace=replace)
@@ -299,6 +306,8 @@ def critic_from_policy_folder(policy: str | Path, out: str | Path, *, seed: int 
 
     try:
         model = critic_from_policy(source, local_files_only=True, dtype="auto")
+    except UsageError:
+        raise   # its own line (weights lacking a backbone tensor); UsageError is a ValueError, caught below
     except load_errors() as err:
         first = (str(err).strip().splitlines() or [""])[0]
         raise UsageError(f"--from {policy}: cannot load its weights ({type(err).__name__}: {first}); fix: pass a "

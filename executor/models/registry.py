@@ -29,3 +29,12 @@ def runner_class(model) -> type:
 
 def runner_for(model, **options):
     return runner_class(model)(model, **options)
+
+
+def config_architectures(config: dict) -> list[str]:
+    """The class names a config.json's `architectures` lists: a list of strings, as save_pretrained writes it;
+    a lone string counts as one name, and anything else (missing, null, a number) as none."""
+    names = config.get("architectures")
+    if isinstance(names, str):
+        return [names]
+    return [name for name in names if isinstance(name, str)] if isinstance(names, list) else []
