@@ -340,9 +340,11 @@ def test_harts_run_refuses_critic_flags_it_cannot_honour(critic_step, tmp_path, 
     (tmp_path / "policy" / "config.json").write_text(
         '{"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]}')
     (tmp_path / "lone").mkdir()   # a lone string, not a list
-    (tmp_path / "lone" / "config.json").write_text('{"model_type": "qwen3_next", "architectures": "Qwen3NextForCausalLM"}')
+    (tmp_path / "lone" / "config.json").write_text(
+        '{"model_type": "qwen3_next", "architectures": "Qwen3NextForCausalLM"}')
     (tmp_path / "number").mkdir()   # malformed: read as no architectures, so the (missing) weights are what fails
-    (tmp_path / "number" / "config.json").write_text('{"model_type": "qwen3_next", "architectures": 5, "num_labels": 1}')
+    (tmp_path / "number" / "config.json").write_text(
+        '{"model_type": "qwen3_next", "architectures": 5, "num_labels": 1}')
     cases = [
         (["--model", critic, "--loss", "value", "--returns", returns, "--values-out", returns],
          "it is also an input"),

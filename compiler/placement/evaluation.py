@@ -133,7 +133,8 @@ def reevaluate_within_cell(model: PrefixCostModel, options: L2Options, base: Eva
     res_n[moved] = np.bincount(consumer, weights=q, minlength=K).astype(np.int64)[moved]
     res_f[moved] = tf * res_n[moved] + pf * np.bincount(
         consumer, weights=q * start + q * (q + 1) // 2, minlength=K).astype(np.int64)[moved]
-    res_b[moved] = tb * res_n[moved] + pb * np.bincount(consumer, weights=q * lengths, minlength=K).astype(np.int64)[moved]
+    res_b[moved] = tb * res_n[moved] + pb * np.bincount(
+        consumer, weights=q * lengths, minlength=K).astype(np.int64)[moved]
     full[moved] = np.bincount(consumer, weights=lengths - lcp_consumer, minlength=K).astype(np.int64)[moved]
 
     lcp_cell = base.lcp_cell[positions]

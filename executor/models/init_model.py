@@ -355,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.policy is not None:
             model = critic_from_policy_folder(args.policy, args.output, seed=args.seed, replace=args.replace)
         else:
-            model = init_model(arch, preset, args.output, vocab_size=512 if args.vocab_size is None else args.vocab_size, seed=args.seed,
+            vocab_size = 512 if args.vocab_size is None else args.vocab_size
+            model = init_model(arch, preset, args.output, vocab_size=vocab_size, seed=args.seed,
                                replace=args.replace, critic=args.critic)
     except HartsError as err:
         print(f"harts init-model: {err}", file=sys.stderr)
