@@ -271,18 +271,31 @@ def _pull_moves(model, layout: Layout, ev: Evaluation, b: int, dp: int, capacity
     donors = same_cell.tolist() + other_cells[np.argsort(-cost[other_cells], kind="stable")][:2].tolist()
     per_row = max(1.0, cost[b] / max(1, ev.res_n[b]))
     wanted = max(1.0, (slot_max[layout.slot[b]] - cost[b]) / per_row / 2)
-    ranked = []
     members_index = _Members(model, layout.consumer_of)
-    for a in donors:
-        runs = _member_runs(np.flatnonzero(layout.consumer_of == a), lengths, ev.lcp_consumer)
-        fits = ev.full[b] + members_index.growth([int(run[-1]) for run in runs], b) <= capacity
-        for run in (run for run, fit in zip(runs, fits.tolist()) if fit):
-            below = np.concatenate([[ev.lcp_consumer[run[0]]], lengths[run[:-1]]])
-            moved = lengths[run[-1]] - below          # rows a no longer holds once run[i:] leaves
-            for i in np.argsort(np.abs(moved - wanted), kind="stable")[:2].tolist():
-                ranked.append((abs(float(moved[i]) - wanted), a, i, run))
-    ranked.sort(key=lambda t: t[:3])
-    return [(run[i:], a, b) for _, a, i, run in ranked[:12]]
+    # Every donor's members, donor by donor in sorted order, split into nested chains (as `_member_runs`).
+    member_lists = [np.flatnonzero(layout.consumer_of == a) for a in donors]
+    members = np.concatenate(member_lists) if member_lists else np.zeros(0, dtype=np.int64)
+    if not len(members):
+        return []
+    donor = np.repeat(np.asarray(donors, dtype=np.int64), [len(m) for m in member_lists])
+    first = np.ones(len(members), dtype=bool)
+    first[1:] = (donor[1:] != donor[:-1]) | (ev.lcp_consumer[members[1:]] < lengths[members[:-1]])
+    run_of = np.cumsum(first) - 1
+    run_start = np.flatnonzero(first)
+    run_last = np.append(run_start[1:], len(members)) - 1
+    fits = ev.full[b] + members_index.growth(members[run_last], b) <= capacity
+    # The tail from member i up leaves its donor the rows above the member below it.
+    below = np.where(first, ev.lcp_consumer[members], lengths[members[np.maximum(np.arange(len(members)) - 1, 0)]])
+    score = np.abs(lengths[members[run_last[run_of]]] - below - wanted)
+    index = np.arange(len(members)) - run_start[run_of]
+    # Two tails per fitting chain, closest to `wanted` first (ties: the longer tail), then the best twelve.
+    order = np.lexsort((index, score, run_of))
+    order = order[fits[run_of[order]]]
+    group = np.flatnonzero(np.r_[True, run_of[order[1:]] != run_of[order[:-1]]])
+    rank = np.arange(len(order)) - np.repeat(group, np.diff(np.append(group, len(order))))
+    chosen = order[rank < 2]
+    best = chosen[np.lexsort((run_of[chosen], index[chosen], donor[chosen], score[chosen]))][:12]
+    return [(members[run_start[run_of[m]]:run_last[run_of[m]] + 1][index[m]:], int(donor[m]), b) for m in best]
 
 
 class _Members:
