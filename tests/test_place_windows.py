@@ -640,6 +640,62 @@ def test_refinement_never_raises_phi_and_keeps_the_placement_valid(seed):
         assert refined.key[0] < unrefined.key[0]
 
 
+def _common_prefix(x: list[int], y: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pull_moves_are_the_tails_their_definition_ranks_first(seed):
+    """`refine`'s pull candidates into each consumer b, against a brute force on the token lists: donors are
+    b's cell mates and the two costliest consumers of other cells of its window; each donor's members split
+    into chains where one is not a prefix of the next; a chain counts when b can hold its longest member;
+    the tail from its i-th member leaves the donor |longest| - (the (i-1)-th's length, or for i = 0 the
+    first member's common prefix with the member before it) rows; two tails per chain closest to half b's
+    deficit in rows (ties: the longer), and the twelve best by (distance, donor, i, chain order)."""
+    rng = np.random.default_rng(seed)
+    lists = _step_wise_forest(seed, trees=6) + [[300 + i] for i in range(6)]   # lone trajectories: chains of one
+    lists = sorted(lists)
+    lengths, lcp = lengths_and_lcp(lists)
+    model = PrefixCostModel.build(lengths, lcp)
+    dp, K = 2, 8
+    consumer_of = rng.integers(0, K, size=len(lists)).astype(np.int64)
+    consumer_of[:K] = np.arange(K)
+    layout = scoring.Layout("test", consumer_of, np.arange(K) % (2 * dp), np.array([0, 2, 4]),
+                            np.full(2 * dp, NO_CAP, dtype=np.int64))
+    capacity = int(lengths.sum())
+    assert scoring.score_layout(model, L2Options(), layout, dp, capacity)
+    ev = layout.ev
+    cost = ev.res_f + ev.res_b
+    fwd, bwd, _, _ = scoring.grid_costs(layout, dp)
+    slot_max = (fwd + bwd).max(axis=0)
+    members = [np.flatnonzero(consumer_of == k).tolist() for k in range(K)]
+    for b in range(K):
+        window = layout.cell_of_consumer // dp == layout.cell_of_consumer[b] // dp
+        mates = [k for k in range(K) if window[k] and layout.cell_of_consumer[k] == layout.cell_of_consumer[b]
+                 and k != b]
+        others = sorted((k for k in range(K) if window[k] and layout.cell_of_consumer[k] != layout.cell_of_consumer[b]),
+                        key=lambda k: -cost[k])[:2]
+        wanted = max(1.0, (slot_max[layout.slot[b]] - cost[b]) / max(1.0, cost[b] / max(1, ev.res_n[b])) / 2)
+        ranked = []
+        for a in mates + others:
+            chains = []
+            for index, x in enumerate(members[a]):
+                nested = index > 0 and lists[x][:len(lists[members[a][index - 1]])] == lists[members[a][index - 1]]
+                chains[-1:] = [chains[-1] + [x]] if nested else chains[-1:] + [[x]]
+            for order, chain in enumerate(chains):
+                if model.cost(sorted(set(members[b]) | {chain[-1]})) > capacity:
+                    continue
+                first = members[a].index(chain[0])
+                before = _common_prefix(lists[chain[0]], lists[members[a][first - 1]]) if first else 0
+                below = [before] + [len(lists[x]) for x in chain[:-1]]
+                tails = sorted(range(len(chain)), key=lambda i: (abs(len(lists[chain[-1]]) - below[i] - wanted), i))
+                ranked += [(abs(len(lists[chain[-1]]) - below[i] - wanted), a, i, order, chain[i:]) for i in tails[:2]]
+        want = [(tail, a) for _, a, _, _, tail in sorted(ranked, key=lambda t: t[:4])[:12]]
+        got = refine_module._pull_moves(model, layout, ev, b, dp, capacity, slot_max)
+        assert [(positions.tolist(), a) for positions, a, _ in got] == want, b
+        assert all(target == b for _, _, target in got)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_member_growth_is_what_a_consumer_adds_to_hold_a_trajectory(seed):
     """`refine`'s growth query (nearest members by binary search) against its definition: |x| minus x's longest
