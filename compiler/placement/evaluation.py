@@ -3,7 +3,10 @@
 Invariant relied on by the search: every per-position quantity depends only
 on the members of the position's own consumer and cell, and every consumer's
 or producer's cost only on its own positions. So a move or swap confined to a
-few cells is re-evaluated exactly from those cells alone (`reevaluate`).
+few cells is re-evaluated exactly from those cells alone (`reevaluate`), and
+a move between two consumers of one cell from those two consumers' positions
+alone (`reevaluate_within_cell`: the cell's other positions see the same
+members outside their own consumer).
 
 Legend: N sorted positions, K consumers, G cells (window x replica column).
 """
