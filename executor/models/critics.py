@@ -11,9 +11,11 @@ backbone keys under `model.`, plus `score.weight` and `score.bias`), and
 `register_critics()` makes `AutoModelForTokenClassification` load such a
 folder like any other.
 
-A critic is usually started from the policy: `critic_class(model_type)
-.from_pretrained(policy_dir, num_labels=1)` keeps the policy's backbone and
-gives `score` fresh weights (transformers reports it as newly initialised).
+A critic is usually started from the policy: `critic_from_policy(policy_dir)`
+keeps the policy's backbone and gives `score` fresh weights with no dropout
+before it (the class's `from_pretrained(policy_dir, num_labels=1)` alone would
+keep transformers' default dropout of 0.1 for Kimi Linear, whose config has no
+`classifier_dropout`).
 """
 from __future__ import annotations
 
@@ -37,11 +39,6 @@ def register_critics() -> None:
 
     for config_class, model_class in ADDED_CRITICS.values():
         AutoModelForTokenClassification.register(config_class, model_class, exist_ok=True)
-
-
-def has_critic_class(model_type: str) -> bool:
-    """Whether a critic of this family can be loaded: transformers' class or one HARTS adds."""
-    return model_type in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES or model_type in ADDED_CRITICS
 
 
 def critic_class(model_type: str) -> type:
