@@ -318,7 +318,9 @@ def critic_from_policy_folder(policy: str | Path, out: str | Path, *, seed: int 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="harts init-model", description="Write a random model as a Hugging Face directory.",
+        prog="harts init-model",
+        description="Write a random model, or a critic started from a policy (--critic --from), as a Hugging Face "
+                    "directory.",
         epilog="The output folder must be new or empty; an earlier init-model output there is replaced only with "
                "--replace, and any other non-empty folder is refused. The folder appears only when complete "
                "(written beside it, then renamed).")
