@@ -117,7 +117,8 @@ def test_round_count_equals_exhaustive_search(lists, chunk_size):
 @given(trees, st.integers(1, 6))
 def test_replay_is_anchor_aligned_and_short(lists, chunk_size):
     """Every sequence starts at a(s), replays the < B path rows before s, and reads a state
-    that a sequence of an earlier round exports after a whole number of chunks."""
+    that a sequence of an earlier round exports after a whole number of chunks; the outputs tile the
+    memory rows in sequence order."""
     layout = layout_of(lists)
     schedule = assign_rounds(layout, chunk_size)
     plan = plan_replay(layout, schedule)
@@ -148,6 +149,8 @@ def test_replay_is_anchor_aligned_and_short(lists, chunk_size):
             producer = plan.export_sequence[state]
             assert plan.sequence_round[producer] < plan.sequence_round[q]
     assert np.all(seen == 1), "every row is produced exactly once"
+    # ... one sequence after another: the residual planner reads output i as memory row i.
+    assert np.array_equal(plan.sequence_row_start, np.cumsum(plan.sequence_num_rows) - plan.sequence_num_rows)
 
 
 def rounds_of(lists, B):

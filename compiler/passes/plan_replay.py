@@ -31,7 +31,12 @@ from harts.schema.errors import VerificationError
 
 @dataclass(frozen=True, slots=True)
 class ReplayPlan:
-    """Memory order and linear-attention call tables of one microbatch (rows in memory order)."""
+    """Memory order and linear-attention call tables of one microbatch (rows in memory order).
+
+    Memory order is the sequences' output rows one sequence after another: sequence q outputs memory rows
+    [sequence_row_start[q], sequence_row_start[q] + sequence_num_rows[q]), and sequence_row_start is the
+    running sum of sequence_num_rows from 0 (so the outputs tile the rows in sequence order).
+    """
 
     segment_order: np.ndarray         # int64[V]: creation-order segments in memory order
     exec_of_row: np.ndarray           # int64[C]: memory position of each creation-order row

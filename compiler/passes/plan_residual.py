@@ -106,13 +106,13 @@ def plan_residual(layout: CompactLayout, replay: ReplayPlan, row_cached_by: np.n
     plan = plan_replay(forest, schedule, external_roots=True)
 
     memory_of_forest_row = replay.exec_of_row[selected]                # forest creation -> consumer memory
-    own = expand_runs(plan.sequence_row_start, plan.sequence_num_rows)  # forest memory rows, sequence by sequence
-    own_ghost = ghost[selected][plan.row_of_exec[own]]
+    # Outputs tile the forest's memory rows in sequence order (ReplayPlan), so memory row i is output i.
+    own_ghost = ghost[selected][plan.row_of_exec]
     Q = len(plan.sequence_round)
     sequence_of_own = np.repeat(np.arange(Q), plan.sequence_num_rows)
     # Ghost rows of a sequence come first (a ghost's ancestors are ghosts or outside the forest).
     ghosts_per_sequence = np.bincount(sequence_of_own[own_ghost], minlength=Q)
-    lead = np.zeros(len(own), dtype=bool)
+    lead = np.zeros(len(own_ghost), dtype=bool)
     lead_positions = expand_runs(np.cumsum(plan.sequence_num_rows) - plan.sequence_num_rows, ghosts_per_sequence)
     lead[lead_positions] = True
     if np.any(lead != own_ghost):
@@ -121,10 +121,10 @@ def plan_residual(layout: CompactLayout, replay: ReplayPlan, row_cached_by: np.n
     token_count = replay_len + plan.sequence_num_rows
     offsets = np.zeros(Q + 1, dtype=np.int64)
     np.cumsum(token_count, out=offsets[1:])
-    tokens = np.empty(int(offsets[-1]), dtype=np.int64)
-    is_replay = expand_runs(offsets[:-1], replay_len)
-    tokens[is_replay] = plan.replay_rows
-    tokens[expand_runs(offsets[:-1] + replay_len, plan.sequence_num_rows)] = own
+    # Each sequence's replay rows, then its outputs: output memory row i sits after the replay rows of its own
+    # sequence and of every sequence before it.
+    tokens = np.arange(int(offsets[-1]), dtype=np.int64) - np.repeat(np.cumsum(replay_len), token_count)
+    tokens[expand_runs(offsets[:-1], replay_len)] = plan.replay_rows
     token_rows = memory_of_forest_row[plan.row_of_exec[tokens]]
 
     # External start: the consumer row at depth a - 1 above the sequence's anchor row.
