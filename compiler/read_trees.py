@@ -216,8 +216,15 @@ def _reject_repeated_fields(line: bytes, where: _Where) -> None:
     """
     seen: set[bytes] = set()
     depth = end = 0
+    # A line with one "{" (the usual flat object) nests nothing, not even in a string: every key is top-level,
+    # and one memchr-speed search replaces counting both braces between every two strings.
+    outer = line.find(b"{")
+    flat = line.find(b"{", outer + 1) < 0
     for match in _STRING.finditer(line):
-        depth += line.count(b"{", end, match.start()) - line.count(b"}", end, match.start())
+        if flat:
+            depth = 1
+        else:
+            depth += line.count(b"{", end, match.start()) - line.count(b"}", end, match.start())
         end = match.end()
         if depth != 1 or not _COLON.match(line, end):
             continue

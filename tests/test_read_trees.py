@@ -178,6 +178,11 @@ BAD = [
     Bad("tokens_twice_after_deep_nesting", ['{"id": 1, "x": ' + "[" * 900 + "]" * 900
                                              + ', "tokens": [1, 2], "tokens": [1, 2, 3]}'], 1, "tokens",
         "appears 2 times"),
+    # Lines with a nested object or a "{" in a string take the brace-counting path, not the flat line's.
+    Bad("tokens_twice_after_a_nested_object", ['{"id": 1, "meta": {"tokens": 0}, "tokens": [1, 2], "tokens": [3]}'],
+        1, "tokens", "appears 2 times"),
+    Bad("tokens_twice_beside_a_brace_in_a_string", ['{"id": "a{", "tokens": [1, 2], "tokens": [3]}'], 1, "tokens",
+        "appears 2 times"),
     Bad("line_number_counts_blank_lines", [GOOD, "", "   ", '{"id": 1, "tokens": [1, -2]}'], 4, "tokens",
         "negative"),
 ]
