@@ -113,7 +113,7 @@ def plan_residual(layout: CompactLayout, replay: ReplayPlan, row_cached_by: np.n
     # Ghost rows of a sequence come first (a ghost's ancestors are ghosts or outside the forest).
     ghosts_per_sequence = np.bincount(sequence_of_own[own_ghost], minlength=Q)
     lead = np.zeros(len(own_ghost), dtype=bool)
-    lead_positions = expand_runs(np.cumsum(plan.sequence_num_rows) - plan.sequence_num_rows, ghosts_per_sequence)
+    lead_positions = expand_runs(plan.sequence_row_start, ghosts_per_sequence)
     lead[lead_positions] = True
     if np.any(lead != own_ghost):
         raise VerificationError("ghost rows lead their sequence", "a ghost row follows an uncached row")

@@ -127,31 +127,20 @@ def reevaluate_within_cell(model: PrefixCostModel, options: L2Options, base: Eva
     lengths = model.lengths[positions]
     cached = np.minimum(np.minimum(np.maximum(below_above[:m], below_above[m:]), lengths), cap_of_cell[cell])
 
-    tf, pf, tb, pb = (options.token_cost_forward, options.pair_cost_forward,
-                      options.token_cost_backward, options.pair_cost_backward)
-    start = np.maximum(lcp_consumer, cached)
-    q = lengths - start
-    res_n, res_f, res_b, full = (base.res_n.copy(), base.res_f.copy(), base.res_b.copy(), base.full.copy())
     moved = np.flatnonzero(touched)
-    res_n[moved] = np.bincount(consumer, weights=q, minlength=K).astype(np.int64)[moved]
-    res_f[moved] = tf * res_n[moved] + pf * np.bincount(
-        consumer, weights=q * start + q * (q + 1) // 2, minlength=K).astype(np.int64)[moved]
-    res_b[moved] = tb * res_n[moved] + pb * np.bincount(
-        consumer, weights=q * lengths, minlength=K).astype(np.int64)[moved]
+    res_n, res_f, res_b, full = (base.res_n.copy(), base.res_f.copy(), base.res_b.copy(), base.full.copy())
+    for total, part in zip((res_n, res_f, res_b),
+                           _run_costs(options, consumer, np.maximum(lcp_consumer, cached), lengths, K)):
+        total[moved] = part[moved]
     full[moved] = np.bincount(consumer, weights=lengths - lcp_consumer, minlength=K).astype(np.int64)[moved]
 
-    lcp_cell = base.lcp_cell[positions]
-
-    def producer_terms(cached_depth: np.ndarray) -> tuple[int, int, int]:
-        top = np.maximum(cached_depth, lcp_cell)
-        pq = top - lcp_cell
-        rows = int(pq.sum())
-        return (rows, tf * rows + pf * int((pq * lcp_cell + pq * (pq + 1) // 2).sum()),
-                tb * rows + pb * int((pq * top).sum()))
-
+    # The cell's producer changes by these positions' contributions alone.
+    lcp_cell, one_group = base.lcp_cell[positions], np.zeros(m, dtype=np.int64)
+    new = _run_costs(options, one_group, lcp_cell, np.maximum(cached, lcp_cell), 1)
+    old = _run_costs(options, one_group, lcp_cell, np.maximum(base.cached[positions], lcp_cell), 1)
     pro_n, pro_f, pro_b = base.pro_n.copy(), base.pro_f.copy(), base.pro_b.copy()
-    for total, new, old in zip((pro_n, pro_f, pro_b), producer_terms(cached), producer_terms(base.cached[positions])):
-        total[cell] += new - old
+    for total, after, before in zip((pro_n, pro_f, pro_b), new, old):
+        total[cell] += int(after[0] - before[0])
     out_cached, out_lcp_consumer = base.cached.copy(), base.lcp_consumer.copy()
     out_cached[positions] = cached
     out_lcp_consumer[positions] = lcp_consumer
@@ -207,23 +196,25 @@ def evaluate_positions(model: PrefixCostModel, options: L2Options, positions: np
     cached = np.minimum(np.minimum(other, lengths), cap_of_cell[cell])
 
     # Consumer residual run of each position: [start, lengths).
-    start = np.maximum(lcp_consumer, cached)
-    q = lengths - start
-    tf, pf, tb, pb = (options.token_cost_forward, options.pair_cost_forward,
-                      options.token_cost_backward, options.pair_cost_backward)
-    pairs = q * start + q * (q + 1) // 2
-    rect = q * lengths
-    res_n = np.bincount(consumer, weights=q, minlength=K).astype(np.int64)
-    res_f = tf * res_n + pf * np.bincount(consumer, weights=pairs, minlength=K).astype(np.int64)
-    res_b = tb * res_n + pb * np.bincount(consumer, weights=rect, minlength=K).astype(np.int64)
+    res_n, res_f, res_b = _run_costs(options, consumer, np.maximum(lcp_consumer, cached), lengths, K)
     full = np.bincount(consumer, weights=lengths - lcp_consumer, minlength=K).astype(np.int64)
-
-    top = np.maximum(cached, lcp_cell)
-    pq = top - lcp_cell
-    pro_n = np.bincount(cell, weights=pq, minlength=G).astype(np.int64)
-    pro_f = tf * pro_n + pf * np.bincount(cell, weights=pq * lcp_cell + pq * (pq + 1) // 2, minlength=G).astype(np.int64)
-    pro_b = tb * pro_n + pb * np.bincount(cell, weights=pq * top, minlength=G).astype(np.int64)
+    pro_n, pro_f, pro_b = _run_costs(options, cell, lcp_cell, np.maximum(cached, lcp_cell), G)
     return Evaluation(cached, lcp_consumer, lcp_cell, full, res_n, res_f, res_b, pro_n, pro_f, pro_b)
+
+
+def _run_costs(options: L2Options, group: np.ndarray, low: np.ndarray, high: np.ndarray,
+               size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per group, the rows n, forward cost and backward cost of each position computing its depths
+    [low, high): q = high - low rows, A = q low + q (q + 1) / 2 causal pairs, R = q high (`place_windows`'
+    cost model). A consumer's residual run is [max(lcp_consumer, cached), length); a producer's
+    [lcp_cell, max(cached, lcp_cell))."""
+    q = high - low
+    n = np.bincount(group, weights=q, minlength=size).astype(np.int64)
+    forward = options.token_cost_forward * n + options.pair_cost_forward * np.bincount(
+        group, weights=q * low + q * (q + 1) // 2, minlength=size).astype(np.int64)
+    backward = options.token_cost_backward * n + options.pair_cost_backward * np.bincount(
+        group, weights=q * high, minlength=size).astype(np.int64)
+    return n, forward, backward
 
 
 def _run_bounds(new_run: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
