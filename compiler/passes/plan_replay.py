@@ -99,12 +99,17 @@ def plan_replay(layout: CompactLayout, schedule: RoundSchedule, external_roots: 
     head_depth = layout.row_depth[head_first_row].astype(np.int64)
     anchor = head_depth // B * B
     replay_len = head_depth - anchor
-    parent = layout.row_parent.astype(np.int64)
+    needs_state = anchor > 0
     ancestors = np.full((Q, B), -1, dtype=np.int64)   # ancestors[:, j]: path row at depth s - 1 - j
-    cur = head_first_row.copy()
-    for j in range(B):
-        cur = np.where(cur >= 0, parent[np.maximum(cur, 0)], -1)
-        ancestors[:, j] = cur
+    # Read below: columns j < replay_len (the replay rows) and j == replay_len where a state is needed (the
+    # row at depth a - 1), so the walk stops after the deepest column read rather than always taking B steps.
+    walk = max(int(replay_len.max(initial=0)), int(replay_len[needs_state].max(initial=-1)) + 1)
+    if walk:
+        parent = np.append(layout.row_parent.astype(np.int64), -1)   # parent[-1] == -1: above a root stays -1
+        cur = head_first_row.astype(np.int64)
+        for j in range(walk):
+            cur = parent[cur]
+            ancestors[:, j] = cur
     cols = np.arange(B)
     # Replay rows in depth order: ancestors j = replay_len-1 ... 0.
     take = cols[None, :] < replay_len[:, None]
@@ -114,7 +119,6 @@ def plan_replay(layout: CompactLayout, schedule: RoundSchedule, external_roots: 
     replay_rows = exec_of_row[replay_creation] if len(replay_creation) else np.zeros(0, np.int64)
 
     # Start state: the boundary state after the path row at depth anchor - 1.
-    needs_state = anchor > 0
     key_creation = ancestors[np.flatnonzero(needs_state), replay_len[needs_state]]
     external = np.zeros(Q, dtype=bool)
     outside = key_creation < 0
@@ -130,7 +134,7 @@ def plan_replay(layout: CompactLayout, schedule: RoundSchedule, external_roots: 
     sequence_start_state = np.full(Q, -1, dtype=np.int64)
     sequence_start_state[needs_state] = state_index
 
-    export_sequence, export_chunk = _locate_exports(export_row, sequence_row_start, sequence_num_rows, replay_len, B,
+    export_sequence, export_chunk = _locate_exports(export_row, sequence_row_start, replay_len, B,
                                                     "an anchor state falls inside a chunk of its producer")
 
     rounds = schedule.sequence_round.astype(np.int64)
@@ -155,12 +159,12 @@ def plan_replay(layout: CompactLayout, schedule: RoundSchedule, external_roots: 
     return plan
 
 
-def _locate_exports(export_row, sequence_row_start, sequence_num_rows, replay_len, chunk_size: int,
+def _locate_exports(export_row, sequence_row_start, replay_len, chunk_size: int,
                     problem: str) -> tuple[np.ndarray, np.ndarray]:
     """(sequence, whole chunks before) of the state after each memory row in `export_row`;
     every such state must end a whole chunk of its sequence (replay included)."""
-    sequence_of_exec = np.repeat(np.arange(len(sequence_num_rows)), sequence_num_rows)
-    export_sequence = sequence_of_exec[export_row] if len(export_row) else np.zeros(0, np.int64)
+    # The sequence whose outputs hold the row: the last one starting at or before it (outputs tile the rows).
+    export_sequence = np.searchsorted(sequence_row_start, export_row, side="right") - 1
     local_end = replay_len[export_sequence] + (export_row - sequence_row_start[export_sequence]) + 1
     if np.any(local_end % chunk_size != 0):
         raise VerificationError("exports sit on chunk boundaries", problem)
@@ -180,7 +184,7 @@ def with_exports(replay: ReplayPlan, rows: np.ndarray, chunk_size: int) -> tuple
     rows = np.asarray(rows, dtype=np.int64)
     export_row = np.union1d(replay.export_row, rows).astype(np.int64)
     export_sequence, export_chunk = _locate_exports(
-        export_row, replay.sequence_row_start, replay.sequence_num_rows, np.diff(replay.sequence_replay_offsets),
+        export_row, replay.sequence_row_start, np.diff(replay.sequence_replay_offsets),
         chunk_size, "a requested anchor state falls inside a chunk of its producer")
     start_state = replay.sequence_start_state.copy()
     has = start_state >= 0

@@ -89,10 +89,10 @@ def plan_residual(layout: CompactLayout, replay: ReplayPlan, row_cached_by: np.n
     cached = np.asarray(row_cached_by)[replay.exec_of_row] >= 0      # creation order
     ghost = ghost_rows(layout, cached, B)
     selected = np.flatnonzero(~cached | ghost)                         # creation order, parents first
-    index_of = np.full(layout.num_rows, -1, dtype=np.int64)
+    # One more entry than rows, left at -1, so that a root's parent (-1) maps to -1 without a where().
+    index_of = np.full(layout.num_rows + 1, -1, dtype=np.int64)
     index_of[selected] = np.arange(len(selected))
-    outer_parent = layout.row_parent[selected].astype(np.int64)
-    parent = np.where(outer_parent >= 0, index_of[np.maximum(outer_parent, 0)], -1)
+    parent = index_of[layout.row_parent[selected]]
     segment_row_start, segment_parent = segments_of(parent)
     empty = np.zeros(0, dtype=np.int64)
     # The residual forest has no members: rounds and replay read only rows and segments.
@@ -109,9 +109,10 @@ def plan_residual(layout: CompactLayout, replay: ReplayPlan, row_cached_by: np.n
     # Outputs tile the forest's memory rows in sequence order (ReplayPlan), so memory row i is output i.
     own_ghost = ghost[selected][plan.row_of_exec]
     Q = len(plan.sequence_round)
-    sequence_of_own = np.repeat(np.arange(Q), plan.sequence_num_rows)
-    # Ghost rows of a sequence come first (a ghost's ancestors are ghosts or outside the forest).
-    ghosts_per_sequence = np.bincount(sequence_of_own[own_ghost], minlength=Q)
+    # Ghost rows of a sequence come first (a ghost's ancestors are ghosts or outside the forest). A ghost's
+    # sequence is the last one whose outputs start at or before it.
+    ghost_sequence = np.searchsorted(plan.sequence_row_start, np.flatnonzero(own_ghost), side="right") - 1
+    ghosts_per_sequence = np.bincount(ghost_sequence, minlength=Q)
     lead = np.zeros(len(own_ghost), dtype=bool)
     lead_positions = expand_runs(plan.sequence_row_start, ghosts_per_sequence)
     lead[lead_positions] = True
