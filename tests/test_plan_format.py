@@ -14,8 +14,8 @@ import zstandard
 
 from harts.schema import plan as plan_module
 from harts.schema.errors import PlanFormatError
-from harts.schema.plan import (FORMAT, MAGIC, SCHEMA_VERSION, Plan, _encode, _packed_pieces, decode_plan, encode_plan,
-                               read_plan, write_plan)
+from harts.schema.plan import (FORMAT, MAGIC, SCHEMA_VERSION, Plan, _VIEW_BYTES, _encode, _packed_pieces, decode_plan,
+                               encode_plan, read_plan, write_plan)
 
 
 def sample_plan() -> Plan:
@@ -121,18 +121,26 @@ def test_written_plan_gets_ordinary_file_permissions(tmp_path):
 
 
 def test_the_body_is_packed_in_pieces_that_join_to_one_msgpack_document():
-    # encode_plan packs each microbatch and producer apart; readers unpack the body as one document.
+    # encode_plan packs containers and small arrays itself and hands large arrays to zstd in place; readers
+    # unpack the body as one document, so the pieces must join to exactly what msgpack writes.
     plan = sample_plan()
-    body = {"step": plan.step, "microbatches": plan.microbatches * 3, "producers": plan.microbatches,
-            "summary": {"seconds": 1.5}}
+    large = np.arange(_VIEW_BYTES // 8 + 3, dtype=np.int64)
+    odd = {"big_endian": np.arange(_VIEW_BYTES, dtype=">i4"), "strided": large[::2], "scalar": np.array(7),
+           "empty": np.zeros((0, 3), dtype=np.float32), "flags": np.array([True, False]),
+           "nested": [[large[:5]], (large[:300], 1, "x")], "tuple": (1, None, 2.5), "numpy_scalar": np.int32(3)}
+    body = {"step": plan.step, "microbatches": [*plan.microbatches * 3, {"large": large, **odd}],
+            "producers": plan.microbatches, "summary": {"seconds": 1.5}}
     pieces = _packed_pieces(body)
-    assert len(pieces) > 8
-    assert b"".join(pieces) == msgpack.packb(body, default=_encode, use_bin_type=True)
+    assert b"".join(bytes(piece) for piece in pieces) == msgpack.packb(body, default=_encode, use_bin_type=True)
+    # The large arrays travel as views of their own memory, not as copies.
+    assert any(isinstance(piece, memoryview) and np.shares_memory(np.asarray(piece), large) for piece in pieces)
     with_producers = Plan(header=plan.header, step=plan.step, microbatches=body["microbatches"],
                           summary=body["summary"], producers=body["producers"])
     decoded = decode_plan(encode_plan(with_producers))
-    assert len(decoded.microbatches) == 3 and len(decoded.producers) == 1 and decoded.summary == {"seconds": 1.5}
+    assert len(decoded.microbatches) == 4 and len(decoded.producers) == 1 and decoded.summary == {"seconds": 1.5}
     np.testing.assert_array_equal(decoded.producers[0]["row_token"], plan.microbatches[0]["row_token"])
+    for key in ("big_endian", "strided", "scalar", "empty", "flags"):
+        np.testing.assert_array_equal(decoded.microbatches[-1][key], np.asarray(odd[key]))
 
 
 def _with_body(body: bytes) -> bytes:
