@@ -26,6 +26,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from harts.schema.errors import UsageError
 from harts.tools.gen import (
     GenConfig, generate, main, plan, preset, scale_to, summarize, write_jsonl)
 from harts.tools.gen_config import TREESTEP_ONLY
@@ -281,6 +282,32 @@ def test_paper_preset_is_a_paper_scale_step(kind):
     # Within-microbatch compression cannot beat the trie bound; the paper
     # measured 6.6-7.6x, so the bound must be above that, not far above.
     assert 7.6 < stats.trie_bound < 15
+
+
+def test_grpo_preset_is_single_turn_grpo_groups(tmp_path):
+    """1,024 prompts x 16 responses, ~51M tokens; each group shares its prompt (system + task) and nothing more."""
+    full = preset("grpo")
+    stats = summarize(full)
+    assert (stats.trajectories, full.group_size) == (16384, 16)
+    assert abs(stats.tokens - 51e6) <= 5e6 and stats.max_tokens <= 300 + 1500 + 16000
+    assert 1.3 < stats.trie_bound < 1.7
+    records = _round_trip(dataclasses.replace(full, tasks=6), tmp_path)
+    by_tree = collections.defaultdict(list)
+    for r in records:
+        by_tree[r["tree"]].append(r["tokens"])
+    assert len(by_tree) == 6 and all(len(group) == 16 for group in by_tree.values())
+    system = records[0]["tokens"][:300]
+    prompts = []
+    for group in by_tree.values():
+        prompt = min(_lcp(group[0], other) for other in group[1:])
+        assert 300 + 100 <= prompt <= 300 + 1500
+        # Every two responses of a group part right after the prompt: one sample per rollout, no shared turn.
+        assert all(_lcp(a, b) == prompt for a, b in itertools.combinations(group, 2))
+        assert all(1 <= len(seq) - prompt <= 16000 and seq[:300] == system for seq in group)
+        prompts.append(group[0][:prompt])
+    assert all(_lcp(a, b) < 300 + 8 for a, b in itertools.combinations(prompts, 2))   # groups share the system only
+    with pytest.raises(UsageError, match="single-turn"):
+        preset("grpo", "treestep")
 
 
 def test_small_default_is_small():

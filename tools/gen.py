@@ -67,9 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("-o", "--output", help="output file (.jsonl, or .jsonl.zst to compress); "
                                            "required unless --dry-run")
     ap.add_argument("--preset", choices=PRESETS, default="small",
-                    help="starting config: 'small' (the defaults, ~0.4M tokens stepwise) or "
+                    help="starting config: 'small' (the defaults, ~0.4M tokens stepwise), "
                          "'paper' (one paper-scale step, ~1,600 trajectories, ~44M tokens "
-                         "stepwise); default small")
+                         "stepwise) or 'grpo' (single-turn GRPO, 1,024 prompts x 16 responses, "
+                         "~51M tokens; stepwise only); default small")
     target = ap.add_mutually_exclusive_group()
     target.add_argument("--target-trajectories", type=int, metavar="N",
                         help="set --tasks so the step has about N trajectories (after overrides)")

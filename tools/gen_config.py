@@ -25,7 +25,7 @@ from harts.schema.errors import UsageError
 
 KINDS = ("stepwise", "treestep")
 SHARED_STEPS = ("once", "per-branch")
-PRESETS = ("small", "paper")
+PRESETS = ("small", "paper", "grpo")
 
 # Hard limits of the output format; `GenConfig.__post_init__` says why each holds.
 _MAX_LOGPROB_SCALE = 1e30
@@ -212,7 +212,7 @@ def _need_range(c: GenConfig, stem: str, *, low: int) -> None:
 
 
 def preset(name: str, kind: str = "stepwise") -> GenConfig:
-    """A named starting point: 'small' (the defaults) or 'paper' (one paper-scale step).
+    """A named starting point: 'small' (the defaults), 'paper' (one paper-scale step) or 'grpo'.
 
     'paper' matches a step of the paper's SWE-bench runs (Section 5.3: 16,170
     records and 435M tokens over ten steps): about 1,600 trajectories and
@@ -222,6 +222,13 @@ def preset(name: str, kind: str = "stepwise") -> GenConfig:
     the mean rollout near 14 turns; more turns would overshoot the paper's
     prefix compression (docs/gen.md). The treestep variant keeps the rollout
     shape and sizes its tasks for the same ~1,600 trajectories.
+
+    'grpo' is single-turn GRPO at a common training scale, not an agent: 1,024
+    prompts with 16 responses each (16,384 trajectories, ~51M tokens), a
+    300-token system prompt, prompts of 100..1,500 tokens and responses of
+    median 1,500 tokens (lognormal, sigma 0.8) cut at 16,000. A group shares
+    its prompt and nothing after it, so the trie bound is ~1.5x. Stepwise only:
+    one turn per rollout leaves no turn to fork at.
     """
     if name == "small":
         return GenConfig(kind=kind)
@@ -230,4 +237,12 @@ def preset(name: str, kind: str = "stepwise") -> GenConfig:
             kind=kind, tasks=14 if kind == "stepwise" else 8, group_size=8,
             system_prompt_tokens=6000, turns_min=6, turns_max=24, action_tokens_median=150.0,
             tool_tokens_median=1600.0, max_branches=16)
+    if name == "grpo":
+        if kind != "stepwise":
+            raise UsageError(f"preset 'grpo' is single-turn, got kind {kind!r}: a rollout is one response, with no "
+                             "turn to fork at; fix: use --kind stepwise (the default) with --preset grpo")
+        return GenConfig(
+            kind=kind, tasks=1024, group_size=16, system_prompt_tokens=300, task_tokens_min=100,
+            task_tokens_max=1500, turns_min=1, turns_max=1, action_tokens_median=1500.0, action_tokens_sigma=0.8,
+            action_tokens_min=1, action_tokens_max=16000)
     raise UsageError(f"preset must be one of {PRESETS}, got {name!r}")
