@@ -2,7 +2,7 @@
 
 Usage:
     python benchmarks/bench_compile.py [--kind stepwise|treestep] [--dp 8] [--capacity 65536]
-                                       [--preset paper|small] [--levels l1|l1+l2] [--keep DIR]
+                                       [--preset paper|small|grpo] [--levels l1|l1+l2] [--keep DIR]
                                        [--trajectories N] [--context-limit L] [--system-prompt-tokens S]
 
 Generates an SWE-shaped step with `harts gen`'s preset (paper: ~1,600
@@ -21,7 +21,9 @@ the step (the targets are for the paper preset only). For example
 `--preset small --trajectories 40000 --context-limit 8192
 --system-prompt-tokens 500` is 40,001 trajectories and 162M tokens (`harts gen
 --preset small --target-trajectories 40000 --context-limit 8192 --system-prompt-tokens 500
---dry-run` prints the same sizes).
+--dry-run` prints the same sizes). `--preset grpo` is single-turn GRPO
+(16,384 trajectories, 51M tokens; stepwise only), the shape of most RL
+steps: ten times the paper step's trajectories, each sharing only its prompt.
 """
 from __future__ import annotations
 
@@ -61,8 +63,8 @@ def main() -> None:
     parser.add_argument("--system-prompt-tokens", type=int, help="the scaffold prompt every trajectory shares "
                                                                   "(default: the preset's)")
     args = parser.parse_args()
-    config = gen.preset(args.preset, args.kind)
     try:
+        config = gen.preset(args.preset, args.kind)
         for field in ("context_limit", "system_prompt_tokens"):
             if getattr(args, field) is not None:
                 config = dataclasses.replace(config, **{field: getattr(args, field)})

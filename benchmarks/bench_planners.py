@@ -216,6 +216,11 @@ def main() -> None:
     unknown = [k for k in kinds if k not in gen.KINDS]
     if unknown:
         parser.error(f"--kinds: unknown kind {unknown[0]!r}; choose from {','.join(gen.KINDS)}")
+    for kind in kinds:
+        try:
+            gen.preset(args.preset, kind)   # e.g. the grpo preset has no tree-step kind
+        except HartsError as err:
+            parser.error(f"--kinds {kind}: {err}")
     dps = parse_dps(parser, args.dp)
 
     header = (f"{'workload':<9} {'D':>2} {'planner':<7} {'compr':>7} {'decoder':>10} {'vs L1':>7} {'balance':>8} "
