@@ -1,12 +1,12 @@
 """Update throughput: per-trajectory Hugging Face, expanded, compact and node-wise.
 
 Usage:
-    python benchmarks/bench_update.py [--workloads stepwise,treestep,treestep-branchy] [--preset tiny]
+    python benchmarks/bench_update.py [--workloads stepwise,treestep,treestep-branchy,grpo] [--preset tiny]
                                       [--capacity 16384] [--device cpu|cuda] [--dtype float32|bfloat16]
                                       [--loss nll|value]
 
 For each generated workload (step-wise and tree-step, SWE-shaped but scaled
-down so a CPU finishes) and a tiny Kimi Linear model, every configuration runs
+down so a CPU finishes, and single-turn GRPO groups) and a tiny Kimi Linear model, every configuration runs
 forward + backward of the `nll` loss over the whole step in its own process
 (so each peak RSS is its own), planning included where it plans:
 
@@ -74,6 +74,11 @@ WORKLOADS = {
     # Many short segments: forks at most turns, so node-wise execution issues many small calls.
     "treestep-branchy": ("treestep", dict(SWE_SMALL, branch_prob=0.6, max_branches=24, tool_tokens_median=60.0,
                                           action_tokens_median=24.0, turns_min=6, turns_max=10)),
+    # Single-turn GRPO (`harts gen --preset grpo`'s shape, scaled down): groups share a prompt and nothing more.
+    "grpo": ("stepwise", dict(tasks=4, group_size=8, system_prompt_tokens=300, task_tokens_min=100,
+                              task_tokens_max=400, turns_min=1, turns_max=1, action_tokens_median=300.0,
+                              action_tokens_sigma=0.8, action_tokens_min=1, action_tokens_max=2000,
+                              context_limit=4096)),
 }
 
 
