@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harts.compiler.ir.layout import verify_layout
+from harts.compiler.ir.layout import segments_of, verify_layout
 from harts.schema.runs import expand_runs
 from harts.compiler.ir.trajectories import TrajectoryBatch
 from harts.compiler.passes.build_trie import build_trie, global_layout, verify_trie
@@ -75,3 +75,22 @@ def test_segment_count_ignores_empty_trajectories():
         batch = TrajectoryBatch.from_token_lists(lists)
         trie = build_trie(batch)
         assert trie.num_segments == global_layout(trie, batch).num_segments, lists
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 9), max_size=40))
+def test_segments_of_matches_its_definition(choices):
+    """A segment starts at a root, where a row's parent is not the row before it, or below a fork (a parent
+    with two or more children); its parent is the segment holding the first row's parent."""
+    parent = []
+    for row, choice in enumerate(choices):   # parents precede children, mostly chains, some forks and roots
+        parent.append(-1 if row == 0 or choice == 0 else row - 1 if choice > 4 else (17 * choice) % row)
+    parent = np.asarray(parent, dtype=np.int64)
+    children = np.bincount(parent[parent >= 0], minlength=len(parent))
+    first = [row for row in range(len(parent))
+             if parent[row] < 0 or parent[row] != row - 1 or children[parent[row]] >= 2]
+    row_start, segment_parent = segments_of(parent)
+    assert row_start.tolist() == first + [len(parent)]
+    segment_of_row = np.repeat(np.arange(len(first)), np.diff(row_start))
+    expected = [-1 if parent[row] < 0 else int(segment_of_row[parent[row]]) for row in first]
+    assert segment_parent.tolist() == expected

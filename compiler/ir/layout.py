@@ -164,10 +164,15 @@ def segments_of(row_parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     row_parent = np.asarray(row_parent, dtype=np.int64)
     num_rows = len(row_parent)
-    has_parent = row_parent >= 0
-    child_count = np.bincount(row_parent[has_parent], minlength=num_rows)
-    segment_first = ~has_parent | (row_parent != np.arange(-1, num_rows - 1))
-    segment_first[has_parent] |= child_count[row_parent[has_parent]] >= 2   # below a fork
+    # Roots and rows whose parent is not the row before them (row 0, a root, compares -1 with -1: set it too).
+    segment_first = row_parent != np.arange(-1, num_rows - 1)
+    segment_first[:1] = True
+    # Below a fork: a row whose parent has another child. That other child cannot be the row after the parent,
+    # so it is a jump row; marking the parents of jump rows marks every fork that has a child right after it.
+    jump_parent = row_parent[np.flatnonzero(segment_first)]
+    fork = np.zeros(num_rows, dtype=bool)
+    fork[jump_parent[jump_parent >= 0]] = True
+    segment_first[1:] |= fork[:-1]
     starts = np.flatnonzero(segment_first)
     segment_row_start = np.append(starts, num_rows).astype(np.int64)
     # A parent row's segment is the last segment starting at or before it (no per-row cumsum).
