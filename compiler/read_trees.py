@@ -35,14 +35,29 @@ and each per-token list becomes a numpy array in one C-level call; types and
 ranges are then checked with whole-array numpy reductions (dtype kind,
 min/max, isfinite). Only a line already known to be bad is walked element by
 element, to name the first offending index. See `benchmarks/bench_read.py`.
+
+Parallel parsing (`workers > 1`, `_read_parallel`): the main process still
+reads the numbered lines (`open_lines`: files, pipes and zstd streams as
+above), sends chunks of consecutive non-blank lines to forked worker
+processes that run the same `_parse_line`, and consumes their results in file
+order, so the batch and the first error are exactly those of `workers=1`.
+`workers=1`, the default, starts no process: `harts.api` runs inside training
+processes, where forking is unsafe.
 """
 from __future__ import annotations
 
 import array as pyarray
+import ctypes
 import json
 import math
+import multiprocessing
+import numbers
 import os
 import re
+import signal
+import stat
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,7 +67,7 @@ from harts.compiler.ir.trajectories import TrajectoryBatch, never_read
 from harts.compiler.read_lines import open_lines
 from harts.schema.errors import InputError, UsageError
 
-__all__ = ["read_trees"]
+__all__ = ["read_trees", "auto_workers", "AUTO_MAX_WORKERS", "AUTO_MIN_BYTES"]
 
 # Token ids are stored as int32 (TrajectoryBatch invariant).
 _TOKEN_LIMIT = 2**31
@@ -64,6 +79,21 @@ _MISSING = object()
 _STRING = re.compile(rb'"((?:[^"\\]|\\.)*)"')
 _COLON = re.compile(rb'\s*:')
 _READ_FIELDS = frozenset({b"id", b"tokens", b"tree", b"loss_mask", b"advantages", b"old_logprobs", b"ref_logprobs"})
+
+# Lines go to worker processes in chunks of about this many bytes: large beside the per-chunk costs (a task,
+# a pickle, a process switch; a paper-scale line is ~200 KB), small enough that the chunks in flight hold a
+# few tens of MB. Tests shrink it to put a chunk boundary between any two lines.
+_CHUNK_BYTES = 4 << 20
+# Chunks submitted but not yet consumed, per worker: one being parsed and one waiting, so a worker never idles
+# while the main process assembles; reading further ahead would only hold more of the file in memory.
+_IN_FLIGHT_PER_WORKER = 2
+# `auto_workers`: below this many bytes on disk, starting processes costs about what parallel parsing saves.
+AUTO_MIN_BYTES = 16 << 20
+AUTO_MAX_WORKERS = 8
+# Stop signals are blocked while workers are forked (`_start_workers`), so none reaches a worker before its
+# own handlers are in place; then the main process alone acts on them.
+_STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+_PR_SET_PDEATHSIG = 1   # linux/prctl.h
 
 _FIX_LINE = 'write one JSON object per line, e.g. {"id": 7, "tokens": [1, 2, 3]}'
 _FIX_FLOAT_LIST = "write a list of finite JSON numbers, one per token"
@@ -103,7 +133,7 @@ class _Where:
 
 
 def read_trees(path: str | os.PathLike, *, vocab_size: int | None = None,
-               capacity: int | None = None) -> TrajectoryBatch:
+               capacity: int | None = None, workers: int = 1) -> TrajectoryBatch:
     """Read and validate a `trees.jsonl` (or `.jsonl.zst`) file, contract section 1.
 
     `vocab_size`, when given, rejects any token >= vocab_size; `capacity`, when
@@ -111,6 +141,10 @@ def read_trees(path: str | os.PathLike, *, vocab_size: int | None = None,
     in one microbatch). Raises `InputError` for every violation, for a missing
     or unreadable file, a corrupted or truncated zstd stream, and a file with no
     trajectories. Returns a batch satisfying every `TrajectoryBatch` invariant.
+
+    `workers` > 1 parses lines in that many forked processes (`_read_parallel`;
+    where "fork" is unavailable, in this process): the same batch, bit for bit,
+    and the same first error as `workers=1`, which starts no process.
     """
     # Caller arguments, not file content: front ends check their flags first
     # (`harts.compiler.pipeline.check_options`), so only API misuse gets here.
@@ -118,15 +152,60 @@ def read_trees(path: str | os.PathLike, *, vocab_size: int | None = None,
         raise UsageError(f"vocab_size must be >= 1, got {vocab_size}; fix: pass the model's vocabulary size or None")
     if capacity is not None and capacity < 2:
         raise UsageError(f"capacity must be >= 2, got {capacity}; fix: pass the microbatch capacity or None")
+    if isinstance(workers, bool) or not isinstance(workers, numbers.Integral) or workers < 1:
+        raise UsageError(f"workers must be an int >= 1, got {workers!r}; fix: pass 1 to parse in this process, "
+                         "or the number of parse processes")
     source = os.fspath(path)
     if isinstance(source, bytes):
         source = os.fsdecode(source)
 
+    compressed, numbered_lines = open_lines(source)
+    try:
+        if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+            trajectories, token_arrays = _read_parallel(source, compressed, numbered_lines, vocab_size, capacity,
+                                                        int(workers))
+        else:
+            trajectories, token_arrays = _read_serial(source, compressed, numbered_lines, vocab_size, capacity)
+    finally:
+        numbered_lines.close()  # closes the file now, not when the traceback is freed
+
+    if not trajectories:
+        raise InputError(source, None, None, "no trajectories (the file is empty or only blank lines)",
+                         _FIX_LINE)
+    return _assemble(source, trajectories, token_arrays)
+
+
+def auto_workers(path: str | os.PathLike) -> int:
+    """The `workers` a front end's "auto" means for `path`: min(usable CPUs, 8), or 1 for a regular file under
+    16 MB on disk (a .zst counts its compressed size), where starting processes costs about what it saves.
+
+    A pipe's size is unknown and taken as large; a path that cannot be read gets 1 (`read_trees` then says why).
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:   # not on Linux
+        cpus = os.cpu_count() or 1
+    try:
+        info = os.stat(path)
+    except (OSError, ValueError):
+        return 1
+    if stat.S_ISDIR(info.st_mode) or (stat.S_ISREG(info.st_mode) and info.st_size < AUTO_MIN_BYTES):
+        return 1
+    return max(1, min(cpus, AUTO_MAX_WORKERS))
+
+
+def _read_serial(source: str, compressed: bool, numbered_lines, vocab_size: int | None,
+                 capacity: int | None) -> tuple[list[_Trajectory], list[np.ndarray]]:
+    """Parse every non-blank line in this process: (records, their int32 token arrays), in file order.
+
+    Raises the first error in file order: a line's (`_parse_line`, a duplicate id) or the stream's. On a
+    compressed stream the rest is read after a line's error, so that a corrupted stream, not the garbage
+    lines it decompressed to, is what gets reported.
+    """
     trajectories: list[_Trajectory] = []
     token_arrays: list[np.ndarray] = []  # int32, parallel to `trajectories`
     # str(id) -> (line, id): ids must be unique as strings, see module docstring.
     first_line_of: dict[str, tuple[int, str | int]] = {}
-    compressed, numbered_lines = open_lines(source)
     try:
         for line_number, line in numbered_lines:
             if line_number == 1 and line.startswith(_UTF8_BOM):
@@ -135,11 +214,7 @@ def read_trees(path: str | os.PathLike, *, vocab_size: int | None = None,
                 continue
             where = _Where(source, line_number, vocab_size, capacity)
             trajectory, tokens = _parse_line(line, where)
-            key = str(trajectory.id)
-            earlier = first_line_of.get(key)
-            if earlier is not None:
-                raise _duplicate_id_error(where, trajectory.id, *earlier)
-            first_line_of[key] = (line_number, trajectory.id)
+            _check_unique_id(first_line_of, trajectory, where)
             trajectories.append(trajectory)
             token_arrays.append(tokens)
     except InputError:
@@ -150,13 +225,172 @@ def read_trees(path: str | os.PathLike, *, vocab_size: int | None = None,
             for _ in numbered_lines:
                 pass
         raise
-    finally:
-        numbered_lines.close()  # closes the file now, not when the traceback is freed
+    return trajectories, token_arrays
 
-    if not trajectories:
-        raise InputError(source, None, None, "no trajectories (the file is empty or only blank lines)",
-                         _FIX_LINE)
-    return _assemble(source, trajectories, token_arrays)
+
+def _check_unique_id(first_line_of: dict[str, tuple[int, str | int]], trajectory: _Trajectory,
+                     where: _Where) -> None:
+    """Record `trajectory`'s id in `first_line_of` (str(id) -> (line, id)), or raise if an earlier line has it."""
+    key = str(trajectory.id)
+    earlier = first_line_of.get(key)
+    if earlier is not None:
+        raise _duplicate_id_error(where, trajectory.id, *earlier)
+    first_line_of[key] = (where.line, trajectory.id)
+
+
+# --- parsing in worker processes ---------------------------------------------------------------
+
+def _read_parallel(source: str, compressed: bool, numbered_lines, vocab_size: int | None, capacity: int | None,
+                   workers: int) -> tuple[list[_Trajectory], list[np.ndarray]]:
+    """`_read_serial`'s result and first error, with `_parse_line` run in `workers` forked processes.
+
+    Invariants: chunk results are consumed strictly in file order, and within a chunk a worker returns
+    the records before its first bad line, so the duplicate-id check sees records in the serial loop's
+    order and the first error by line wins; at most `_IN_FLIGHT_PER_WORKER * workers` chunks are submitted
+    and not yet consumed (memory stays bounded whatever the file's size); the processes have ended when
+    this returns or raises, whatever it raises (`_stop_workers` in `finally`).
+    The returned token arrays are one per chunk; they concatenate to the serial loop's.
+    """
+    trajectories: list[_Trajectory] = []
+    token_arrays: list[np.ndarray] = []
+    first_line_of: dict[str, tuple[int, str | int]] = {}
+    chunks = _chunks(numbered_lines, _CHUNK_BYTES)
+    in_flight: deque[Future] = deque()
+    # The stream's own failure (I/O, zstd) met while reading ahead: raised only after every line read before
+    # it was checked, as the serial loop would meet them first.
+    read_error: InputError | None = None
+    executor = None
+    try:
+        executor = _start_workers(workers)
+        while True:
+            while read_error is None and len(in_flight) < _IN_FLIGHT_PER_WORKER * workers:
+                try:
+                    chunk = next(chunks, None)
+                except InputError as err:
+                    read_error = err
+                    break
+                if chunk is None:
+                    break
+                in_flight.append(executor.submit(_parse_chunk, chunk, source, vocab_size, capacity))
+            if not in_flight:
+                break
+            records, tokens, error = in_flight.popleft().result()   # a worker's other exceptions raise here
+            for record in records:
+                _check_unique_id(first_line_of, record, _Where(source, record.line, vocab_size, capacity))
+            if error is not None:
+                raise error
+            trajectories.extend(records)
+            token_arrays.append(tokens)
+    except InputError:
+        # A line's error: later chunks can only hold later errors, so stop parsing them now.
+        _stop_workers(executor)
+        if compressed:   # as in `_read_serial`, a corrupted stream is the error to report
+            if read_error is not None:
+                raise read_error
+            for _ in numbered_lines:
+                pass
+        raise
+    finally:
+        _stop_workers(executor)
+    if read_error is not None:
+        raise read_error
+    return trajectories, token_arrays
+
+
+def _chunks(numbered_lines, chunk_bytes: int):
+    """The non-blank lines as lists of (line number, bytes) of about `chunk_bytes` each, in file order.
+
+    Blank lines and line 1's byte-order mark are treated as `_read_serial` treats them, so the workers
+    parse exactly the lines it would. When reading fails (InputError), the lines read before the failure
+    are yielded first: one of them may hold an earlier error, which must win over it.
+    """
+    chunk: list[tuple[int, bytes]] = []
+    size = 0
+    try:
+        for line_number, line in numbered_lines:
+            if line_number == 1 and line.startswith(_UTF8_BOM):
+                line = line[len(_UTF8_BOM):]
+            if not line or line.isspace():
+                continue
+            chunk.append((line_number, line))
+            size += len(line)
+            if size >= chunk_bytes:
+                yield chunk
+                chunk, size = [], 0
+    except InputError:
+        if chunk:
+            yield chunk
+        raise
+    if chunk:
+        yield chunk
+
+
+def _parse_chunk(lines: list[tuple[int, bytes]], source: str, vocab_size: int | None, capacity: int | None):
+    """In a worker: (records, their tokens as one int32 array, None) for a chunk of lines, or (the records
+    before the first bad line, None, that line's InputError). Lines after a bad one are not parsed: the
+    main process stops at the first error."""
+    records: list[_Trajectory] = []
+    token_arrays: list[np.ndarray] = []
+    try:
+        for line_number, line in lines:
+            record, tokens = _parse_line(line, _Where(source, line_number, vocab_size, capacity))
+            records.append(record)
+            token_arrays.append(tokens)
+    except InputError as err:
+        return records, None, err
+    # One array per chunk: fewer objects to pickle, and the same bytes once `_assemble` concatenates.
+    return records, np.concatenate(token_arrays), None
+
+
+def _start_workers(count: int) -> ProcessPoolExecutor:
+    """`count` forked parse processes, all started, that leave Ctrl-C to the main process and die on SIGTERM.
+
+    A ProcessPoolExecutor rather than a multiprocessing.Pool: when a worker dies (killed for memory, or by
+    a SIGTERM sent to the whole process group) the executor fails every pending result with
+    BrokenProcessPool, where a Pool replaces the process and waits forever for the lost chunk (and its
+    terminate() takes the task queue's lock, which a worker killed while waiting for a task never
+    releases). With "fork" the executor starts every process on the first task, which is submitted here
+    while the stop signals are blocked: a worker inherits the mask, so no signal reaches it before
+    `_init_worker` has set its handlers (the parent's may raise, see `harts.console`); a signal the main
+    process got meanwhile is raised when the mask is restored.
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    executor = None
+    try:
+        executor = ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("fork"),
+                                       initializer=_init_worker, initargs=(previous, os.getpid()))
+        executor.submit(int)
+    finally:
+        try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        except BaseException:   # the stop signal that came while blocked: the caller never sees the executor
+            _stop_workers(executor)
+            raise
+    return executor
+
+
+def _init_worker(mask, parent: int) -> None:
+    """First thing in a worker: Ctrl-C (sent to the whole terminal's process group) is ignored, since the main
+    process handles it by stopping the pool; SIGTERM and SIGHUP kill at once, with no Python handler between;
+    on Linux, the kernel kills the worker if the main process dies without stopping it (SIGKILL, a crash),
+    where it would otherwise wait for its next chunk forever. Then the parent's signal mask comes back."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):   # no prctl: not Linux
+        pass
+    if os.getppid() != parent:   # the main process died before prctl took effect
+        os._exit(1)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _stop_workers(executor: ProcessPoolExecutor | None) -> None:
+    """End the worker processes and wait for them; chunks not yet started are dropped, and the ones being
+    parsed (a few MB each) are finished first. Safe to call again, or with None."""
+    if executor is not None:
+        executor.shutdown(wait=True, cancel_futures=True)
 
 
 # --- parsing one line ------------------------------------------------------------------------

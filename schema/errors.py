@@ -22,6 +22,11 @@ class InputError(HartsError):
         what = f"field '{field}': " if field else ""
         super().__init__(f"{where}: {what}{problem}; fix: {fix}")
 
+    def __reduce__(self):
+        # Pickling an exception re-creates it from self.args, here the one formatted message, which __init__
+        # does not take; rebuild it from its fields instead (read_trees' worker processes send these back).
+        return type(self), (self.path, self.line, self.field, self.problem, self.fix), self.__dict__
+
 
 class UsageError(HartsError, ValueError):
     """A caller's argument out of range or in conflict with the input (a flag, an API argument).

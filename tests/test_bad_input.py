@@ -234,6 +234,7 @@ HUGE = str(10**20)
     ("--dp", "0"), ("--dp", HUGE),
     ("--pairs-per-token", HUGE), ("--max-window-slots", HUGE),
     ("--ffd-time-budget", "-1"), ("--ffd-time-budget", "nan"), ("--ffd-time-budget", "inf"),
+    ("--read-workers", "0"), ("--read-workers", "x"), ("--read-workers", HUGE),
 ])
 def test_bad_number_is_one_line_naming_the_flag_before_reading(tmp_path, capsys, unread, flag, value):
     trees = write_trees(tmp_path / "trees.jsonl")
