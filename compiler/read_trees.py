@@ -47,27 +47,24 @@ processes, where forking is unsafe.
 from __future__ import annotations
 
 import array as pyarray
-import ctypes
 import json
 import math
-import multiprocessing
 import numbers
 import os
 import re
-import signal
-import stat
 from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 import orjson
 
 from harts.compiler.ir.trajectories import TrajectoryBatch, never_read
+from harts.compiler.parse_workers import can_fork, start_workers, stop_workers
 from harts.compiler.read_lines import open_lines
 from harts.schema.errors import InputError, UsageError
 
-__all__ = ["read_trees", "auto_workers", "AUTO_MAX_WORKERS", "AUTO_MIN_BYTES"]
+__all__ = ["read_trees"]
 
 # Token ids are stored as int32 (TrajectoryBatch invariant).
 _TOKEN_LIMIT = 2**31
@@ -87,13 +84,6 @@ _CHUNK_BYTES = 4 << 20
 # Chunks submitted but not yet consumed, per worker: one being parsed and one waiting, so a worker never idles
 # while the main process assembles; reading further ahead would only hold more of the file in memory.
 _IN_FLIGHT_PER_WORKER = 2
-# `auto_workers`: below this many bytes on disk, starting processes costs about what parallel parsing saves.
-AUTO_MIN_BYTES = 16 << 20
-AUTO_MAX_WORKERS = 8
-# Stop signals are blocked while workers are forked (`_start_workers`), so none reaches a worker before its
-# own handlers are in place; then the main process alone acts on them.
-_STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
-_PR_SET_PDEATHSIG = 1   # linux/prctl.h
 
 _FIX_LINE = 'write one JSON object per line, e.g. {"id": 7, "tokens": [1, 2, 3]}'
 _FIX_FLOAT_LIST = "write a list of finite JSON numbers, one per token"
@@ -161,7 +151,7 @@ def read_trees(path: str | os.PathLike, *, vocab_size: int | None = None,
 
     compressed, numbered_lines = open_lines(source)
     try:
-        if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+        if workers > 1 and can_fork():
             trajectories, token_arrays = _read_parallel(source, compressed, numbered_lines, vocab_size, capacity,
                                                         int(workers))
         else:
@@ -173,25 +163,6 @@ def read_trees(path: str | os.PathLike, *, vocab_size: int | None = None,
         raise InputError(source, None, None, "no trajectories (the file is empty or only blank lines)",
                          _FIX_LINE)
     return _assemble(source, trajectories, token_arrays)
-
-
-def auto_workers(path: str | os.PathLike) -> int:
-    """The `workers` a front end's "auto" means for `path`: min(usable CPUs, 8), or 1 for a regular file under
-    16 MB on disk (a .zst counts its compressed size), where starting processes costs about what it saves.
-
-    A pipe's size is unknown and taken as large; a path that cannot be read gets 1 (`read_trees` then says why).
-    """
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:   # not on Linux
-        cpus = os.cpu_count() or 1
-    try:
-        info = os.stat(path)
-    except (OSError, ValueError):
-        return 1
-    if stat.S_ISDIR(info.st_mode) or (stat.S_ISREG(info.st_mode) and info.st_size < AUTO_MIN_BYTES):
-        return 1
-    return max(1, min(cpus, AUTO_MAX_WORKERS))
 
 
 def _read_serial(source: str, compressed: bool, numbered_lines, vocab_size: int | None,
@@ -248,7 +219,7 @@ def _read_parallel(source: str, compressed: bool, numbered_lines, vocab_size: in
     the records before its first bad line, so the duplicate-id check sees records in the serial loop's
     order and the first error by line wins; at most `_IN_FLIGHT_PER_WORKER * workers` chunks are submitted
     and not yet consumed (memory stays bounded whatever the file's size); the processes have ended when
-    this returns or raises, whatever it raises (`_stop_workers` in `finally`).
+    this returns or raises, whatever it raises (`stop_workers` in `finally`).
     The returned token arrays are one per chunk; they concatenate to the serial loop's.
     """
     trajectories: list[_Trajectory] = []
@@ -261,7 +232,7 @@ def _read_parallel(source: str, compressed: bool, numbered_lines, vocab_size: in
     read_error: InputError | None = None
     executor = None
     try:
-        executor = _start_workers(workers)
+        executor = start_workers(workers)
         while True:
             while read_error is None and len(in_flight) < _IN_FLIGHT_PER_WORKER * workers:
                 try:
@@ -283,7 +254,7 @@ def _read_parallel(source: str, compressed: bool, numbered_lines, vocab_size: in
             token_arrays.append(tokens)
     except InputError:
         # A line's error: later chunks can only hold later errors, so stop parsing them now.
-        _stop_workers(executor)
+        stop_workers(executor)
         if compressed:   # as in `_read_serial`, a corrupted stream is the error to report
             if read_error is not None:
                 raise read_error
@@ -291,7 +262,7 @@ def _read_parallel(source: str, compressed: bool, numbered_lines, vocab_size: in
                 pass
         raise
     finally:
-        _stop_workers(executor)
+        stop_workers(executor)
     if read_error is not None:
         raise read_error
     return trajectories, token_arrays
@@ -340,57 +311,6 @@ def _parse_chunk(lines: list[tuple[int, bytes]], source: str, vocab_size: int | 
         return records, None, err
     # One array per chunk: fewer objects to pickle, and the same bytes once `_assemble` concatenates.
     return records, np.concatenate(token_arrays), None
-
-
-def _start_workers(count: int) -> ProcessPoolExecutor:
-    """`count` forked parse processes, all started, that leave Ctrl-C to the main process and die on SIGTERM.
-
-    A ProcessPoolExecutor rather than a multiprocessing.Pool: when a worker dies (killed for memory, or by
-    a SIGTERM sent to the whole process group) the executor fails every pending result with
-    BrokenProcessPool, where a Pool replaces the process and waits forever for the lost chunk (and its
-    terminate() takes the task queue's lock, which a worker killed while waiting for a task never
-    releases). With "fork" the executor starts every process on the first task, which is submitted here
-    while the stop signals are blocked: a worker inherits the mask, so no signal reaches it before
-    `_init_worker` has set its handlers (the parent's may raise, see `harts.console`); a signal the main
-    process got meanwhile is raised when the mask is restored.
-    """
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    executor = None
-    try:
-        executor = ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("fork"),
-                                       initializer=_init_worker, initargs=(previous, os.getpid()))
-        executor.submit(int)
-    finally:
-        try:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-        except BaseException:   # the stop signal that came while blocked: the caller never sees the executor
-            _stop_workers(executor)
-            raise
-    return executor
-
-
-def _init_worker(mask, parent: int) -> None:
-    """First thing in a worker: Ctrl-C (sent to the whole terminal's process group) is ignored, since the main
-    process handles it by stopping the pool; SIGTERM and SIGHUP kill at once, with no Python handler between;
-    on Linux, the kernel kills the worker if the main process dies without stopping it (SIGKILL, a crash),
-    where it would otherwise wait for its next chunk forever. Then the parent's signal mask comes back."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):   # no prctl: not Linux
-        pass
-    if os.getppid() != parent:   # the main process died before prctl took effect
-        os._exit(1)
-    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-
-def _stop_workers(executor: ProcessPoolExecutor | None) -> None:
-    """End the worker processes and wait for them; chunks not yet started are dropped, and the ones being
-    parsed (a few MB each) are finished first. Safe to call again, or with None."""
-    if executor is not None:
-        executor.shutdown(wait=True, cancel_futures=True)
 
 
 # --- parsing one line ------------------------------------------------------------------------

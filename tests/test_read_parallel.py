@@ -27,7 +27,8 @@ import zstandard
 
 import harts.compiler.read_trees as read_trees_module
 from harts.compiler.cli import main as hartsc_main
-from harts.compiler.read_trees import auto_workers, read_trees
+from harts.compiler.parse_workers import AUTO_MIN_BYTES, auto_workers
+from harts.compiler.read_trees import read_trees
 from harts.schema.errors import InputError, UsageError
 from test_read_trees import BAD, GOOD, assert_invariants, assert_same_batch, write
 
@@ -349,16 +350,19 @@ def test_workers_die_with_a_killed_main_process(tmp_path):
     script = tmp_path / "waiting.py"
     script.write_text(WAITING_WORKERS)
     main = subprocess.Popen([sys.executable, str(script), str(write(tmp_path, many_lines(10)))],
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     workers = []
     try:
-        workers = [int(main.stdout.readline()) for _ in range(2)]   # both are parsing (sleeping on) a line
+        lines = [main.stdout.readline() for _ in range(2)]   # both workers are parsing (sleeping on) a line
+        assert all(line.strip().isdigit() for line in lines), (lines, main.poll(), main.stderr.read())
+        workers = [int(line) for line in lines]
         main.kill()
         main.wait(timeout=30)
         deadline = time.monotonic() + 30
         while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(_alive(pid) for pid in workers), "a worker outlived its killed main process"
+        states = {pid: _state(pid) for pid in workers}
+        assert not any(_alive(pid) for pid in workers), f"a worker outlived its killed main process: {states}"
     finally:
         main.kill()
         for pid in workers:
@@ -368,11 +372,16 @@ def test_workers_die_with_a_killed_main_process(tmp_path):
 
 def _alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie does not: the killed main process's children are reaped by init)."""
+    return _state(pid) not in ("Z", "gone")
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (R, S, Z, ...), or "gone"."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return stat.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
-        return False
+        return "gone"
 
 
 def test_an_interrupt_stops_every_worker(tmp_path, monkeypatch, one_line_chunks):
@@ -426,7 +435,7 @@ def test_auto_workers(tmp_path):
     small = write(tmp_path, [GOOD])
     large = tmp_path / "large.jsonl"
     with open(large, "wb") as f:
-        f.truncate(read_trees_module.AUTO_MIN_BYTES)   # sparse: no disk written
+        f.truncate(AUTO_MIN_BYTES)   # sparse: no disk written
     assert auto_workers(small) == 1 and auto_workers(tmp_path / "absent.jsonl") == 1 and auto_workers(tmp_path) == 1
     assert auto_workers(large) == min(cpus, 8)
     if hasattr(os, "mkfifo"):
