@@ -107,23 +107,27 @@ def _flat(values, lengths, name, unread: list[np.ndarray] | None = None) -> np.n
     if len(values) == len(lengths):
         values = [np.full(n, np.nan) if gone else v for v, gone, n in zip(values, missing, lengths)]
     arrays = _per_token(values, lengths, name, np.float64)
-    for i, a in enumerate(arrays):
-        if missing[i]:
-            continue
-        not_float32 = ~np.isfinite(a) | (np.abs(a) > np.finfo(np.float32).max)
-        if unread is not None:
-            # Positions no loss reads (`never_read`): StepResult.logprobs holds NaN at index 0, and with
-            # logprobs="loss" wherever loss_mask is 0, so a run's log-probabilities pass back as they are.
-            # Stored 0.0 there, as read_trees stores them; finite values are kept (a custom objective sees them).
-            a = np.where(unread[i] & not_float32, 0.0, a)
-            not_float32 &= ~unread[i]
-        bad = np.flatnonzero(not_float32)
-        if len(bad):
-            raise ValueError(f"trajectory {i}: {name}[{bad[0]}] = {a[bad[0]]} is not a finite float32; "
-                             "fix: give finite numbers" + (" (NaN only where no loss reads it: index 0, "
-                                                           "and where loss_mask is 0)" if unread is not None else ""))
-        arrays[i] = a
     flat = np.concatenate(arrays) if arrays else np.zeros(0)
+    # Checked on the whole step at once (a few passes, not a few numpy calls per trajectory); the first bad value
+    # in trajectory order is the one reported.
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum([len(a) for a in arrays], out=offsets[1:])
+    not_float32 = ~np.isfinite(flat) | (np.abs(flat) > np.finfo(np.float32).max)
+    if unread is not None:
+        # Positions no loss reads (`never_read`): StepResult.logprobs holds NaN at index 0, and with
+        # logprobs="loss" wherever loss_mask is 0, so a run's log-probabilities pass back as they are.
+        # Stored 0.0 there, as read_trees stores them; finite values are kept (a custom objective sees them).
+        # A trajectory that gave none stays NaN throughout.
+        given = np.repeat(~np.asarray(missing, dtype=bool), np.diff(offsets))
+        skipped = np.concatenate(unread) & given if unread else np.zeros(0, dtype=bool)
+        flat[skipped & not_float32] = 0.0
+        not_float32 &= given & ~skipped
+    bad = np.flatnonzero(not_float32)
+    if len(bad):
+        i = int(np.searchsorted(offsets, bad[0], side="right")) - 1
+        raise ValueError(f"trajectory {i}: {name}[{bad[0] - offsets[i]}] = {flat[bad[0]]} is not a finite float32; "
+                         "fix: give finite numbers" + (" (NaN only where no loss reads it: index 0, "
+                                                       "and where loss_mask is 0)" if unread is not None else ""))
     return flat.astype(np.float32)
 
 

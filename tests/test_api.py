@@ -150,6 +150,19 @@ def test_a_runs_logprobs_pass_back_with_nan_where_no_loss_reads():
                                  old_logprobs=[[nan, -1.0, -2.0], [nan, nan, -3.0]])
 
 
+def test_the_first_bad_float_in_trajectory_order_is_reported():
+    """Values are checked over the whole step at once; the error still names the first bad one, trajectory by
+    trajectory, with its index inside its own trajectory."""
+    nan, inf = float("nan"), float("inf")
+    tokens = TOKENS + [[5, 6, 7, 8]]
+    with pytest.raises(ValueError, match=r"^trajectory 1: old_logprobs\[2\] = inf is not"):
+        api.compile_trajectories(tokens, old_logprobs=[[0.0, -1.0, -1.0], [0.0, -1.0, inf], [0.0, nan, -1.0, 2e39]])
+    with pytest.raises(ValueError, match=r"^trajectory 2: advantages\[3\] = 1e\+39 is not"):
+        api.compile_trajectories(tokens, advantages=[0.5, [0.1, 0.2, 0.3], [0.0, 1.0, 2.0, 1e39]])
+    with pytest.raises(ValueError, match=r"^trajectory 2: ref_logprobs\[1\] = nan"):   # trajectory 1 gave none
+        api.compile_trajectories(tokens, ref_logprobs=[[0.0, -1.0, -1.0], None, [0.0, nan, -1.0, -1.0]])
+
+
 def test_some_trajectories_may_give_no_logprobs():
     """None for a trajectory is a trees.jsonl line without the field: NaN there, has_* False."""
     plan = api.compile_trajectories(TOKENS + [[5, 6, 7]], old_logprobs=[[0.0, -1.0, -1.0], None, [0.0, -2.0, -2.0]],

@@ -109,7 +109,13 @@ class TrajectoryBatch:
         if advantages is None:
             adv = np.zeros(len(flat), dtype=np.float32)
         else:
-            adv = np.repeat(np.asarray(advantages, dtype=np.float32), lengths)
+            # Filled slice by slice, as read_trees does: np.repeat of per-trajectory values costs ~10 ns a token.
+            adv = np.empty(len(flat), dtype=np.float32)
+            values = np.asarray(advantages, dtype=np.float32).reshape(-1).tolist()
+            if len(values) != n:
+                raise ValueError(f"advantages: {len(values)} values for {n} trajectories; fix: give one per trajectory")
+            for value, start, end in zip(values, offsets[:-1].tolist(), offsets[1:].tolist()):
+                adv[start:end] = value
         return TrajectoryBatch(
             source=source,
             ids=tuple(ids if ids is not None else range(n)),
