@@ -8,9 +8,25 @@ from __future__ import annotations
 
 
 class HartsError(Exception):
-    """Base of every error HARTS reports to a user (exit status 2 at the CLI)."""
+    """Base of every error HARTS reports to a user (exit status 2 at the CLI).
+
+    Every subclass pickles with its message and fields, so an error raised in a worker process (a parse
+    worker of `read_trees`, `harts.api.BackgroundCompiler`'s compiler) reaches the caller as it was raised.
+    """
 
     exit_code = 2
+
+    def __reduce__(self):
+        # Pickling an exception calls its class with self.args, here the formatted message, which the
+        # subclasses' __init__ (fields, not a message) do not take: rebuild it without calling __init__.
+        return _rebuilt, (type(self), self.args, self.__dict__)
+
+
+def _rebuilt(cls: type, args: tuple, fields: dict) -> HartsError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(fields)
+    return error
 
 
 class InputError(HartsError):
@@ -21,11 +37,6 @@ class InputError(HartsError):
         where = str(path) if line is None else f"{path}:{line}"
         what = f"field '{field}': " if field else ""
         super().__init__(f"{where}: {what}{problem}; fix: {fix}")
-
-    def __reduce__(self):
-        # Pickling an exception re-creates it from self.args, here the one formatted message, which __init__
-        # does not take; rebuild it from its fields instead (read_trees' worker processes send these back).
-        return type(self), (self.path, self.line, self.field, self.problem, self.fix), self.__dict__
 
 
 class UsageError(HartsError, ValueError):

@@ -447,3 +447,23 @@ def test_viz_refuses_to_overwrite_its_plan(good_plan, capsys):
     assert harts_main(["viz", str(good_plan), "-o", str(good_plan)]) == 2
     assert "also an input" in one_line(capsys, "harts viz: cannot write")
     assert good_plan.read_bytes() == before
+
+
+def test_every_error_pickles_with_its_message_and_fields():
+    """Errors cross processes (read_trees' parse workers, harts.api's background compiler): each class comes
+    back as itself, with the same line and fields, although most __init__ take fields rather than a message."""
+    import pickle
+
+    from harts.schema import errors
+
+    samples = [errors.HartsError("h"), errors.UsageError("u; fix: v"), errors.PlanFormatError("p"),
+               errors.InputError("a.jsonl", 3, "id", "duplicate", "rename it"),
+               errors.OutputError("out.plan", "read-only", "pick a folder"),
+               errors.VerificationError("rows tile", "row 3 twice"), errors.PassFailedError("l1", "too long", "raise T")]
+    classes = {cls for cls in vars(errors).values() if isinstance(cls, type) and issubclass(cls, HartsError)}
+    assert {type(error) for error in samples} == classes   # a new error class needs a sample here
+    for error in samples:
+        error.add_note("where it happened")
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is type(error) and str(back) == str(error) and back.args == error.args
+        assert vars(back) == vars(error) and back.__notes__ == ["where it happened"]
