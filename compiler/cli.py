@@ -13,7 +13,7 @@ from harts.compiler.passes.partition_ffd import SHARD_UNITS
 from harts.compiler.ir.trajectories import positive_logprob_warnings
 from harts.console import run_command
 from harts.compiler.pipeline import LEVELS, PLANNERS, CompileOptions, check_options, compile_batch
-from harts.compiler.parse_workers import AUTO_MAX_WORKERS, AUTO_MIN_BYTES, auto_workers
+from harts.workers import AUTO_MAX_WORKERS, AUTO_MIN_BYTES, auto_workers
 from harts.progress import terminal_progress
 from harts.text import plural
 from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN

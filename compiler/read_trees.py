@@ -60,7 +60,7 @@ import numpy as np
 import orjson
 
 from harts.compiler.ir.trajectories import TrajectoryBatch, never_read
-from harts.compiler.parse_workers import can_fork, start_workers, stop_workers
+from harts.workers import can_fork, start_workers, stop_workers
 from harts.compiler.read_lines import open_lines
 from harts.schema.errors import InputError, UsageError
 

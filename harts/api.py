@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from harts.background import BackgroundCompiler
 from harts.compiler.ir.trajectories import TrajectoryBatch, never_read, positive_logprob_warnings
 from harts.compiler.pipeline import CompileOptions, check_options, compile_batch
 from harts.executor.losses import VALUE, LossConfig, Objective, PositionMeta
@@ -37,8 +38,8 @@ from harts.schema.plan import read_plan as _read_plan_file
 from harts.schema.errors import HartsError, UsageError
 from harts.schema.plan_invariants import require_valid_plan
 
-__all__ = ["compile_trajectories", "run", "read_plan", "write_plan", "critic_class", "Plan", "StepResult",
-           "LossConfig", "Objective", "PositionMeta", "HartsError", "UsageError"]
+__all__ = ["compile_trajectories", "BackgroundCompiler", "run", "read_plan", "write_plan", "critic_class", "Plan",
+           "StepResult", "LossConfig", "Objective", "PositionMeta", "HartsError", "UsageError"]
 
 
 def _as_numpy(values, dtype=None) -> np.ndarray:

@@ -281,3 +281,63 @@ def test_device_timing_changes_only_the_clock(tiny_model):
         np.testing.assert_array_equal(timed.logprobs[key], plain.logprobs[key])
     assert all(torch.equal(a, p.grad) for a, p in zip(grads, (p for p in model.parameters() if p.grad is not None)))
     assert len(timed.microbatch_seconds) == len(plan.microbatches) and all(t > 0 for t in timed.microbatch_seconds)
+
+
+@pytest.fixture(scope="module")
+def background():
+    with api.BackgroundCompiler() as compiler:
+        yield compiler
+
+
+def _without_timing(plan):
+    plan.flags.pop("planning_seconds", None)
+    return encode_plan(plan)
+
+
+def test_background_compiler_gives_compile_trajectories_plans_in_submission_order(background):
+    """Tensors of any dtype go through numpy first; each Future holds the plan of its own request."""
+    tokens = [torch.tensor(t) for t in TOKENS] + [torch.tensor([1, 2, 9, 9])]
+    logprobs = [torch.tensor([0.0, -0.5, -1.25]).bfloat16(), [0.0, -2.0, -0.75], None]
+    first = background.submit(tokens, old_logprobs=logprobs, advantages=torch.tensor([0.5, -1.0, 2.0]), dp=1)
+    second = background.submit((t for t in TOKENS), loss_masks=[[1, 0, 1], [0, 1, 1]], levels="l1")
+    third = background.submit([[3, 4, 5, 6], [3, 4, 5, 7], [3, 4]], dp=2, capacity=8)
+    assert _without_timing(first.result(timeout=120)) == _without_timing(
+        api.compile_trajectories(tokens, old_logprobs=logprobs, advantages=torch.tensor([0.5, -1.0, 2.0]), dp=1))
+    assert _without_timing(second.result(timeout=120)) == _without_timing(
+        api.compile_trajectories(TOKENS, loss_masks=[[1, 0, 1], [0, 1, 1]], levels="l1"))
+    assert _without_timing(third.result(timeout=120)) == _without_timing(
+        api.compile_trajectories([[3, 4, 5, 6], [3, 4, 5, 7], [3, 4]], dp=2, capacity=8))
+
+
+@pytest.mark.parametrize("tokens, options", [
+    (TOKENS, dict(capacity=2)),
+    ([np.array([1, 2**31 + 5, 3]), np.array([1, 2])], {}),   # sent as int64: only ids that fit go as int32
+    ([torch.tensor([1, -4, 3]), torch.tensor([1, 2])], {}),
+    (TOKENS, dict(loss_masks=[np.array([1, 2, 1]), np.array([1, 1, 1])])),
+], ids=["capacity", "id-beyond-int32", "negative-id", "mask-value"])
+def test_background_compiler_raises_compile_trajectories_errors(background, tokens, options):
+    with pytest.raises(ValueError) as here:
+        api.compile_trajectories(tokens, **options)
+    failing = background.submit(tokens, **options)
+    following = background.submit(TOKENS)   # the process survives a refused batch
+    with pytest.raises(ValueError) as there:
+        failing.result(timeout=120)
+    assert type(there.value) is type(here.value) and str(there.value) == str(here.value)
+    assert following.result(timeout=120).step["num_trajectories"] == 2
+
+
+def test_background_compiler_process_ignores_ctrl_c_ends_with_close_and_fails_futures_if_killed():
+    import signal
+
+    compiler = api.BackgroundCompiler()
+    try:
+        compiler._process.send_signal(signal.SIGINT)   # as a terminal's Ctrl-C reaches every process of the group
+        assert compiler.submit(TOKENS).result(timeout=120).step["num_trajectories"] == 2
+        compiler._process.kill()
+        with pytest.raises(RuntimeError, match="process ended"):
+            compiler.submit(TOKENS).result(timeout=120)
+    finally:
+        compiler.close()
+    assert compiler._process.poll() is not None
+    with pytest.raises(RuntimeError, match="closed"):
+        compiler.submit(TOKENS)

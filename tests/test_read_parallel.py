@@ -27,7 +27,7 @@ import zstandard
 
 import harts.compiler.read_trees as read_trees_module
 from harts.compiler.cli import main as hartsc_main
-from harts.compiler.parse_workers import AUTO_MIN_BYTES, auto_workers
+from harts.workers import AUTO_MIN_BYTES, auto_workers
 from harts.compiler.read_trees import read_trees
 from harts.schema.errors import InputError, UsageError
 from test_read_trees import BAD, GOOD, assert_invariants, assert_same_batch, write

@@ -1,20 +1,23 @@
-"""Forked worker processes for parsing a trajectories file (`read_trees(workers=N)`, `hartsc --read-workers`).
+"""Worker processes that leave Ctrl-C to their caller and die with it.
 
-`start_workers(n)` returns a `ProcessPoolExecutor` whose n processes are
-forked from this one (they inherit the parser, nothing is re-imported) and
-already running; `stop_workers` ends them and waits. Invariants, each tested
-in `tests/test_read_parallel.py`:
+Used by `read_trees(workers=N)` / `hartsc --read-workers` (forked parse
+processes: they inherit the parser, nothing is re-imported) and by
+`harts.api.BackgroundCompiler` (one compiler process started as a fresh
+interpreter: a training process holds threads and maybe CUDA, which a fork
+would copy half-way; `leave_stops_to` is its first call).
+`start_workers(n)` returns a `ProcessPoolExecutor` whose n forked processes
+are already running; `stop_workers` ends them and waits. Invariants, tested
+in `tests/test_read_parallel.py` and `tests/test_api.py`:
 
 * no stop signal reaches a worker before its handlers are set: Ctrl-C (sent
   to the whole terminal's process group) is ignored there and handled by the
-  main process alone; SIGTERM and SIGHUP kill a worker at once;
-* on Linux a worker dies with the main process, however that one ends;
+  caller's process alone; SIGTERM and SIGHUP kill a worker at once;
+* on Linux a worker dies with the process that started it, however that one
+  ends;
 * a worker that dies fails the pending results (BrokenProcessPool) instead of
-  leaving the main process waiting forever.
+  leaving the caller waiting forever.
 
 `auto_workers(path)` is what a front end's "auto" means for an input file.
-Forking is for front ends that own their process: `harts.api` runs inside
-training processes and parses in its own process (`workers=1`).
 """
 from __future__ import annotations
 
@@ -25,14 +28,15 @@ import signal
 import stat
 from concurrent.futures import ProcessPoolExecutor
 
-__all__ = ["AUTO_MAX_WORKERS", "AUTO_MIN_BYTES", "auto_workers", "can_fork", "start_workers", "stop_workers"]
+__all__ = ["AUTO_MAX_WORKERS", "AUTO_MIN_BYTES", "STOP_SIGNALS", "auto_workers", "can_fork", "leave_stops_to",
+           "start_workers", "stop_workers"]
 
 # `auto_workers`: below this many bytes on disk, starting processes costs about what parallel parsing saves.
 AUTO_MIN_BYTES = 16 << 20
 AUTO_MAX_WORKERS = 8
 # Stop signals are blocked while workers are forked (`start_workers`), so none reaches a worker before its
 # own handlers are in place; then the main process alone acts on them.
-_STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 _PR_SET_PDEATHSIG = 1   # linux/prctl.h
 
 
@@ -61,7 +65,7 @@ def auto_workers(path: str | os.PathLike) -> int:
 
 
 def start_workers(count: int) -> ProcessPoolExecutor:
-    """`count` forked parse processes, all started, that leave Ctrl-C to the main process and die on SIGTERM.
+    """`count` forked worker processes, all started, that leave Ctrl-C to the main process and die on SIGTERM.
 
     A ProcessPoolExecutor rather than a multiprocessing.Pool: when a worker dies (killed for memory, or by
     a SIGTERM sent to the whole process group) the executor fails every pending result with
@@ -72,7 +76,7 @@ def start_workers(count: int) -> ProcessPoolExecutor:
     `_init_worker` has set its handlers (the parent's may raise, see `harts.console`); a signal the main
     process got meanwhile is raised when the mask is restored.
     """
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     executor = None
     try:
         executor = ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("fork"),
@@ -92,6 +96,13 @@ def _init_worker(mask, parent: int) -> None:
     process handles it by stopping the pool; SIGTERM and SIGHUP kill at once, with no Python handler between;
     on Linux, the kernel kills the worker if the main process dies without stopping it (SIGKILL, a crash),
     where it would otherwise wait for its next chunk forever. Then the parent's signal mask comes back."""
+    leave_stops_to(parent)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def leave_stops_to(parent: int) -> None:
+    """In a worker process: ignore Ctrl-C, die at once on SIGTERM and SIGHUP, and (Linux) be killed by the kernel
+    when the process `parent` that started it ends; exit now if it already has."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
@@ -99,9 +110,8 @@ def _init_worker(mask, parent: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):   # no prctl: not Linux
         pass
-    if os.getppid() != parent:   # the main process died before prctl took effect
+    if os.getppid() != parent:   # the parent died before prctl took effect
         os._exit(1)
-    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def stop_workers(executor: ProcessPoolExecutor | None) -> None:
