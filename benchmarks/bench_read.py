@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--read", metavar="PATH", help=argparse.SUPPRESS)  # child-process mode
     parser.add_argument("--read-workers", type=int, default=1, help=argparse.SUPPRESS)  # child-process mode
     args = parser.parse_args(argv)
+    if args.input and not os.path.isfile(args.input):
+        parser.error(f"--input {args.input}: no such file; fix: give a trees.jsonl[.zst], e.g. one `harts gen` wrote")
     if args.read:
         _read_once(args.read, args.repeat, args.read_workers)
         return 0

@@ -54,6 +54,7 @@ import os
 import re
 from collections import deque
 from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,7 +63,7 @@ import orjson
 from harts.compiler.ir.trajectories import TrajectoryBatch, never_read
 from harts.workers import can_fork, start_workers, stop_workers
 from harts.compiler.read_lines import open_lines
-from harts.schema.errors import InputError, UsageError
+from harts.schema.errors import HartsError, InputError, UsageError
 
 __all__ = ["read_trees"]
 
@@ -245,7 +246,14 @@ def _read_parallel(source: str, compressed: bool, numbered_lines, vocab_size: in
                 in_flight.append(executor.submit(_parse_chunk, chunk, source, vocab_size, capacity))
             if not in_flight:
                 break
-            records, tokens, error = in_flight.popleft().result()   # a worker's other exceptions raise here
+            try:
+                records, tokens, error = in_flight.popleft().result()   # a worker's other exceptions raise here
+            except BrokenProcessPool:
+                # Not the input's fault: the system killed a worker (most often for memory). One line, not a
+                # traceback, and how to read without workers.
+                raise HartsError(f"{source}: a parse worker process died while reading (killed by the system, "
+                                 "most often for lack of memory); fix: read in one process (hartsc --read-workers "
+                                 "1, read_trees(workers=1)) or free memory") from None
             for record in records:
                 _check_unique_id(first_line_of, record, _Where(source, record.line, vocab_size, capacity))
             if error is not None:

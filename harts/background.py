@@ -24,20 +24,31 @@ Invariants:
   multiprocessing's "spawn": a fork would copy the training process's threads
   and CUDA state half-way, and "spawn" re-runs the user's script's top level
   in the child unless it is guarded by `if __name__ == "__main__"`;
-* plans come back in submission order, each on its own Future;
+* each Future gets the answer to its own request: a request is pickled before
+  it is queued (one that cannot be pickled raises in `submit` and queues
+  nothing), requests and answers travel whole and in order (one sender and
+  one receiver thread), and an answer that cannot cross (an exception that
+  does not pickle, a request the compiler process cannot unpickle) arrives
+  as a RuntimeError naming it, never as a shifted queue;
+* `submit` never waits for a compile: a sender thread writes the request;
 * torch tensors are turned into numpy arrays before they are sent, so the
   compiler process never receives a tensor or touches a GPU;
-* the compiler process ignores Ctrl-C (the training process decides), dies
-  with the training process however it ends (`harts.workers.leave_stops_to`),
-  and is gone once `close` returns; if it dies, every pending Future raises.
+* the compiler process ignores Ctrl-C (the training process decides), exits
+  within a second once its parent has ended, however it ended and whichever
+  thread started it; `close` stops it at once (a compile in progress is
+  abandoned) and every Future not yet answered then raises; if the process
+  dies, likewise.
 """
 from __future__ import annotations
 
 import os
+import pickle
+import queue
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, Pipe
@@ -65,57 +76,92 @@ class BackgroundCompiler:
             theirs.close()
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         self._connection = ours
-        self._pending: deque[Future] = deque()
-        self._lock = threading.Lock()   # submit and the receiver both touch _pending
-        self._receiver = threading.Thread(target=self._receive, name="harts-background-compiler", daemon=True)
+        self._pending: deque[Future] = deque()   # one per request sent or queued, oldest first
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()   # pickled requests for the sender; None: stop
+        self._lock = threading.Lock()            # guards _pending, _closed and _ended
+        self._closed = False
+        self._ended: str | None = None           # why no more answers will come, once none will
+        self._sender = threading.Thread(target=self._send, name="harts-compiler-sender", daemon=True)
+        self._receiver = threading.Thread(target=self._receive, name="harts-compiler-receiver", daemon=True)
+        self._sender.start()
         self._receiver.start()
 
     def submit(self, tokens, **options) -> Future:
-        """Start `compile_trajectories(tokens, **options)` in the compiler process; the Future holds the Plan."""
+        """Queue `compile_trajectories(tokens, **options)` for the compiler process; the Future holds the Plan.
+
+        Returns at once (the request is pickled here, written by a sender thread). Arguments that cannot be
+        pickled raise TypeError here, and nothing is queued.
+        """
+        try:
+            request = pickle.dumps((_portable(tokens), {name: _portable(value) for name, value in options.items()}),
+                                   protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as err:   # pickling raises PicklingError, TypeError, AttributeError, ...
+            raise TypeError(f"cannot send this batch to the compiler process ({type(err).__name__}: {err}); fix: "
+                            "pass lists, numpy arrays or torch tensors, and options as compile_trajectories "
+                            "takes them") from err
         future: Future = Future()
-        request = (_portable(tokens), {name: _portable(value) for name, value in options.items()})
+        future.set_running_or_notify_cancel()   # the compile cannot be called off once queued: cancel() says so
         with self._lock:
-            if self._connection is None:
+            if self._closed:
                 raise RuntimeError("this BackgroundCompiler is closed; fix: create a new one")
-            if not self._receiver.is_alive():
-                raise RuntimeError("the background compiler's process has ended; fix: create a new one")
+            if self._ended is not None:
+                raise RuntimeError(f"{self._ended}; fix: create a new BackgroundCompiler")
             self._pending.append(future)
-            self._connection.send(request)
+            self._outbox.put(request)
         return future
 
+    def _send(self) -> None:
+        """Sender thread: write each queued request whole, in order, until told to stop or the pipe breaks."""
+        while (request := self._outbox.get()) is not None:
+            try:
+                self._connection.send_bytes(request)
+            except OSError:   # the process has ended: the receiver fails the Futures
+                return
+
     def _receive(self) -> None:
-        """Receiver thread: hand each answer to the oldest pending Future; on the process's end, fail the rest."""
+        """Receiver thread: hand each answer to the oldest pending Future; once none can come, fail the rest."""
+        connection = self._connection
         while True:
             try:
-                kind, value = self._connection.recv()
+                answer = connection.recv_bytes()
             except (EOFError, OSError):
                 break
+            try:
+                kind, value = pickle.loads(answer)
+            except Exception as err:   # e.g. an exception class whose __init__ unpickling cannot call
+                kind, value = "error", RuntimeError(f"the compiler process's answer could not be read here "
+                                                    f"({type(err).__name__}: {err})")
             with self._lock:
                 future = self._pending.popleft()
             if kind == "plan":
                 future.set_result(value)
             else:
                 future.set_exception(value)
+        try:
+            status = self._process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            status = None
         with self._lock:
-            ended = RuntimeError("the background compiler's process ended before this plan was compiled "
-                                 f"(exit status {self._process.poll()}); fix: create a new BackgroundCompiler")
-            while self._pending:
-                self._pending.popleft().set_exception(ended)
+            self._ended = ("the BackgroundCompiler was closed before this plan was compiled" if self._closed else
+                           f"the background compiler's process ended (exit status {status})")
+            failed = list(self._pending)
+            self._pending.clear()
+        for future in failed:
+            future.set_exception(RuntimeError(f"{self._ended}; fix: create a new BackgroundCompiler"))
 
     def close(self) -> None:
-        """Stop the compiler process and wait for it: a compile in progress finishes, plans not yet started fail.
-        Safe to call twice."""
+        """Stop the compiler process now and wait for it: a compile in progress is abandoned, and every plan not
+        yet received raises RuntimeError. Safe to call twice."""
         with self._lock:
-            connection, self._connection = self._connection, None
-        if connection is None:
-            return
-        try:
-            connection.send(None)   # the compiler process exits after the compile it is on
-        except OSError:
-            pass
+            if self._closed:
+                return
+            self._closed = True
+        self._outbox.put(None)
+        self._process.terminate()   # SIGTERM: the process dies at once (no Python handler there)
         self._process.wait()
-        connection.close()
         self._receiver.join()
+        self._sender.join()
+        self._connection.close()
 
     def __enter__(self) -> "BackgroundCompiler":
         return self
@@ -146,27 +192,47 @@ def _portable(value):
 
 
 def _serve(descriptor: int, parent: int) -> None:
-    """The compiler process: compile each request until told to stop (None) or the pipe closes."""
+    """The compiler process: answer each request, in order, until the pipe closes."""
     from harts.workers import leave_stops_to
 
-    leave_stops_to(parent)
+    leave_stops_to(parent, die_with_thread=False)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)   # blocked by BackgroundCompiler until now
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     from harts.api import compile_trajectories
 
     connection = Connection(descriptor)
     while True:
         try:
-            request = connection.recv()
-        except EOFError:
+            request = connection.recv_bytes()
+        except (EOFError, OSError):
             return
-        if request is None:
-            return
-        tokens, options = request
         try:
-            answer = ("plan", compile_trajectories(tokens, **options))
-        except Exception as err:   # handed to the caller's Future, raised there as compile_trajectories raises
-            answer = ("error", err)
-        connection.send(answer)
+            tokens, options = pickle.loads(request)
+        except Exception as err:   # e.g. an object of a class defined in the caller's script
+            answer = ("error", RuntimeError(f"the compiler process could not read this batch "
+                                            f"({type(err).__name__}: {err}); fix: pass lists, numpy arrays or "
+                                            "torch tensors, not objects of classes of your own"))
+        else:
+            try:
+                answer = ("plan", compile_trajectories(tokens, **options))
+            except Exception as err:   # handed to the caller's Future, raised there as compile_trajectories raises
+                answer = ("error", err)
+        try:
+            payload = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:   # an exception that does not pickle: its type and text still reach the caller
+            error = answer[1]
+            payload = pickle.dumps(("error", RuntimeError(f"{type(error).__name__}: {error}")))
+        try:
+            connection.send_bytes(payload)
+        except OSError:   # the caller has gone
+            return
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit once the process that started this one has ended (this process is then re-parented)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 if __name__ == "__main__":

@@ -100,16 +100,23 @@ def _init_worker(mask, parent: int) -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-def leave_stops_to(parent: int) -> None:
-    """In a worker process: ignore Ctrl-C, die at once on SIGTERM and SIGHUP, and (Linux) be killed by the kernel
-    when the process `parent` that started it ends; exit now if it already has."""
+def leave_stops_to(parent: int, *, die_with_thread: bool = True) -> None:
+    """In a worker process: ignore Ctrl-C, die at once on SIGTERM and SIGHUP, and exit now if the process `parent`
+    that started it has already ended.
+
+    `die_with_thread`: also have the kernel kill this process when the thread that started it ends (Linux's
+    parent-death signal follows the starting *thread*, not its process). Right for the parse workers, whose
+    starting thread waits in `read_trees` until they are done; wrong for `BackgroundCompiler`'s process, which
+    any thread may start and which watches its parent itself.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):   # no prctl: not Linux
-        pass
+    if die_with_thread:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):   # no prctl: not Linux
+            pass
     if os.getppid() != parent:   # the parent died before prctl took effect
         os._exit(1)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import time
 
 import numpy as np
 import pytest
@@ -341,3 +342,52 @@ def test_background_compiler_process_ignores_ctrl_c_ends_with_close_and_fails_fu
     assert compiler._process.poll() is not None
     with pytest.raises(RuntimeError, match="closed"):
         compiler.submit(TOKENS)
+
+
+class _ScriptList(list):
+    """A class of the caller's own (this test module), which the compiler process cannot import."""
+
+
+def test_background_compiler_keeps_each_answer_with_its_request(background):
+    """A request that cannot be sent, one the compiler process cannot read, and a cancelled Future shift no
+    later answer onto the wrong Future."""
+    import threading
+
+    with pytest.raises(TypeError, match="cannot send this batch"):
+        background.submit(TOKENS, advantages=[lambda: 0.5, 1.0])
+    unreadable = background.submit([_ScriptList([1, 2, 3]), _ScriptList([1, 2, 4])])
+    cancelled = background.submit(TOKENS, dp=2)
+    assert not cancelled.cancel()   # queued work cannot be called off; the Future says so
+    last = background.submit([[5, 6, 7], [5, 6, 8], [5, 9]])
+    with pytest.raises(RuntimeError, match="could not read this batch"):
+        unreadable.result(timeout=120)
+    assert cancelled.result(timeout=120).flags["dp"] == 2
+    assert last.result(timeout=120).step["num_trajectories"] == 3
+    # A compiler started by a thread that has since ended still answers (Linux's parent-death signal would
+    # have followed that thread).
+    made = []
+
+    def start_and_use():
+        made.append(api.BackgroundCompiler())
+        made[0].submit(TOKENS).result(timeout=120)   # the compiler process is up before this thread ends
+
+    starter = threading.Thread(target=start_and_use)
+    starter.start()
+    starter.join()
+    with made[0] as compiler:
+        time.sleep(0.5)
+        assert compiler.submit(TOKENS).result(timeout=120).step["num_trajectories"] == 2
+
+
+def test_closing_a_busy_background_compiler_returns_at_once_and_fails_what_it_had_not_answered():
+    rng = np.random.default_rng(0)
+    big = [rng.integers(0, 1000, 3000).tolist() for _ in range(400)]   # a compile that takes a while
+    compiler = api.BackgroundCompiler()
+    queued = [compiler.submit(big, capacity=65536) for _ in range(3)]
+    start = time.perf_counter()
+    compiler.close()
+    assert time.perf_counter() - start < 10
+    for future in queued:
+        with pytest.raises(RuntimeError, match="closed before this plan was compiled"):
+            future.result(timeout=10)
+    assert compiler._process.poll() is not None

@@ -29,7 +29,7 @@ import harts.compiler.read_trees as read_trees_module
 from harts.compiler.cli import main as hartsc_main
 from harts.workers import AUTO_MIN_BYTES, auto_workers
 from harts.compiler.read_trees import read_trees
-from harts.schema.errors import InputError, UsageError
+from harts.schema.errors import HartsError, InputError, UsageError
 from test_read_trees import BAD, GOOD, assert_invariants, assert_same_batch, write
 
 
@@ -315,7 +315,9 @@ def test_a_dead_worker_is_an_error_not_a_hang(tmp_path, monkeypatch, one_line_ch
     reader.start()
     reader.join(timeout=60)
     assert not reader.is_alive(), "read_trees waits forever for a dead worker's chunk"
-    assert isinstance(outcome.get("error"), BrokenProcessPool)
+    error = outcome.get("error")
+    assert type(error) is HartsError and "a parse worker process died" in str(error) and "\n" not in str(error)
+    assert isinstance(error.__context__, BrokenProcessPool) and "--read-workers 1" in str(error)
 
 
 def test_ctrl_c_reaches_the_main_process_only(tmp_path, monkeypatch, one_line_chunks):
