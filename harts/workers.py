@@ -12,8 +12,10 @@ in `tests/test_read_parallel.py` and `tests/test_api.py`:
 * no stop signal reaches a worker before its handlers are set: Ctrl-C (sent
   to the whole terminal's process group) is ignored there and handled by the
   caller's process alone; SIGTERM and SIGHUP kill a worker at once;
-* on Linux a worker dies with the process that started it, however that one
-  ends;
+* a worker dies with the process that started it, however that one ends:
+  the parse workers by Linux's parent-death signal (their starting thread
+  waits for them), the compiler process by watching its parent (any thread
+  may start it, and the signal follows the starting thread);
 * a worker that dies fails the pending results (BrokenProcessPool) instead of
   leaving the caller waiting forever.
 
