@@ -179,11 +179,7 @@ def _read_serial(source: str, compressed: bool, numbered_lines, vocab_size: int 
     # str(id) -> (line, id): ids must be unique as strings, see module docstring.
     first_line_of: dict[str, tuple[int, str | int]] = {}
     try:
-        for line_number, line in numbered_lines:
-            if line_number == 1 and line.startswith(_UTF8_BOM):
-                line = line[len(_UTF8_BOM):]
-            if not line or line.isspace():
-                continue
+        for line_number, line in _content_lines(numbered_lines):
             where = _Where(source, line_number, vocab_size, capacity)
             trajectory, tokens = _parse_line(line, where)
             _check_unique_id(first_line_of, trajectory, where)
@@ -198,6 +194,16 @@ def _read_serial(source: str, compressed: bool, numbered_lines, vocab_size: int 
                 pass
         raise
     return trajectories, token_arrays
+
+
+def _content_lines(numbered_lines):
+    """The (line number, bytes) of every line to parse: blank (whitespace-only) lines are skipped but keep their
+    numbers, and line 1's UTF-8 byte-order mark is dropped (module docstring)."""
+    for line_number, line in numbered_lines:
+        if line_number == 1 and line.startswith(_UTF8_BOM):
+            line = line[len(_UTF8_BOM):]
+        if line and not line.isspace():
+            yield line_number, line
 
 
 def _check_unique_id(first_line_of: dict[str, tuple[int, str | int]], trajectory: _Trajectory,
@@ -279,18 +285,14 @@ def _read_parallel(source: str, compressed: bool, numbered_lines, vocab_size: in
 def _chunks(numbered_lines, chunk_bytes: int):
     """The non-blank lines as lists of (line number, bytes) of about `chunk_bytes` each, in file order.
 
-    Blank lines and line 1's byte-order mark are treated as `_read_serial` treats them, so the workers
-    parse exactly the lines it would. When reading fails (InputError), the lines read before the failure
+    The lines are `_content_lines`, as `_read_serial` reads them, so the workers parse exactly the lines it
+    would. When reading fails (InputError), the lines read before the failure
     are yielded first: one of them may hold an earlier error, which must win over it.
     """
     chunk: list[tuple[int, bytes]] = []
     size = 0
     try:
-        for line_number, line in numbered_lines:
-            if line_number == 1 and line.startswith(_UTF8_BOM):
-                line = line[len(_UTF8_BOM):]
-            if not line or line.isspace():
-                continue
+        for line_number, line in _content_lines(numbered_lines):
             chunk.append((line_number, line))
             size += len(line)
             if size >= chunk_bytes:
