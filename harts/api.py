@@ -112,7 +112,7 @@ def _flat(values, lengths, name, unread: list[np.ndarray] | None = None) -> np.n
     # Checked on the whole step at once (a few passes, not a few numpy calls per trajectory); the first bad value
     # in trajectory order is the one reported.
     offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
-    np.cumsum([len(a) for a in arrays], out=offsets[1:])
+    np.cumsum(lengths, out=offsets[1:])   # each array is as long as its tokens (`_per_token` checked)
     not_float32 = ~np.isfinite(flat) | (np.abs(flat) > np.finfo(np.float32).max)
     if unread is not None:
         # Positions no loss reads (`never_read`): StepResult.logprobs holds NaN at index 0, and with
