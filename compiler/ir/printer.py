@@ -19,7 +19,9 @@ def _list(values) -> str:
 
 def format_compile_result(result, batch) -> str:
     """Every pass of a `CompileResult` compiled from `batch`, in pipeline order (the whole-step trie layout
-    is rebuilt from the batch: the pipeline only counts it)."""
+    is rebuilt from the batch: the pipeline only counts it). Needs `compile_batch(..., keep_ir=True)`."""
+    if result.microbatches is None:
+        raise ValueError("this CompileResult holds no microbatch IR: compile it with compile_batch(..., keep_ir=True)")
     lines = []
     trie = result.trie
     layout = global_layout(trie, batch)
