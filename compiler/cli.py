@@ -13,11 +13,11 @@ from harts.compiler.passes.partition_ffd import SHARD_UNITS
 from harts.compiler.ir.trajectories import positive_logprob_warnings
 from harts.console import run_command
 from harts.compiler.pipeline import LEVELS, PLANNERS, CompileOptions, check_options, compile_batch
-from harts.workers import AUTO_MAX_WORKERS, AUTO_MIN_BYTES, auto_workers
+from harts.compiler.read_workers import add_read_workers_argument, read_workers
 from harts.progress import terminal_progress
 from harts.text import plural
 from harts.schema.cost_model import DEFAULT_PAIRS_PER_TOKEN
-from harts.schema.errors import HartsError, OutputError, PassFailedError
+from harts.schema.errors import HartsError, OutputError
 from harts.schema.atomic import atomic_write_files, check_output_path, refuse_one_file
 from harts.schema.plan import encode_plan
 from harts.schema.summary import plan_statistics
@@ -63,11 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the ffd planner's CP-SAT search; the harts planner is deterministic and "
                         "only records it (default 0)")
     p.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= this (default: no check)")
-    p.add_argument("--read-workers", default="auto", metavar="N",
-                   help="forked processes that parse the input's lines while hartsc reads it; the plan is the same "
-                        f"for any N. auto (default): min(usable CPUs, {AUTO_MAX_WORKERS}), or 1 for an input under "
-                        f"{AUTO_MIN_BYTES >> 20} MB on disk, where starting processes costs about what it saves; "
-                        "1: parse in hartsc's own process")
+    add_read_workers_argument(p, "hartsc", "the plan is the same")
     p.add_argument("--debug", action="store_true", help="verify the IR after every pass (slow at paper scale)")
     p.add_argument("--json", action="store_true", help="print the plan statistics as one JSON object on stdout")
     p.add_argument("-v", "--verbose", action="store_true", help="explain each pass's decisions on stderr (a line per pass; L2 adds one per search phase, --planner ffd one per replica)")
@@ -95,27 +91,6 @@ def idle_flag_warnings(args, parser, options: CompileOptions) -> list[str]:
     return [f"{flag} has no effect without {needs} (recorded in the plan's flags all the same)"
             for flag, dest, needs, used in _IDLE_FLAGS
             if getattr(args, dest) != parser.get_default(dest) and not used(options)]
-
-
-# More parse processes than this only add start-up time and memory (`auto` picks at most 8).
-_MAX_READ_WORKERS = 256
-
-
-def read_workers(value: str, trees: str) -> int:
-    """`--read-workers` as a process count: "auto" is `auto_workers(trees)`, else an int in [1, 256];
-    one `PassFailedError` line naming the flag otherwise, like the other flags' (`check_options`)."""
-    if value == "auto":
-        return auto_workers(trees)
-    fix = "pass a number of processes, e.g. --read-workers 4, or auto (the default); 1 reads in one process"
-    try:
-        count = int(value)
-    except ValueError:
-        raise PassFailedError("options", f"--read-workers must be an integer or auto, got {value!r}", fix) from None
-    if count < 1:
-        raise PassFailedError("options", f"--read-workers must be >= 1, got {count}", fix)
-    if count > _MAX_READ_WORKERS:
-        raise PassFailedError("options", f"--read-workers must be <= {_MAX_READ_WORKERS}, got {count}", fix)
-    return count
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ import zstandard
 
 import harts.compiler.read_trees as read_trees_module
 from harts.compiler.cli import main as hartsc_main
+from harts.tools.check import main as check_main
 from harts.workers import AUTO_MIN_BYTES, auto_workers
 from harts.compiler.read_trees import read_trees
 from harts.schema.errors import HartsError, InputError, UsageError
@@ -337,7 +338,7 @@ import os, sys, time
 import harts.compiler.read_trees as module
 
 def parse(line, where):
-    print(os.getpid(), flush=True)
+    os.write(1, b"%d\\n" % os.getpid())   # one write: a pipe keeps it whole, where print's could interleave
     time.sleep(60)
 module._parse_line = parse
 module._CHUNK_BYTES = 1   # a chunk for each worker
@@ -356,7 +357,9 @@ def test_workers_die_with_a_killed_main_process(tmp_path):
     workers = []
     try:
         lines = [main.stdout.readline() for _ in range(2)]   # both workers are parsing (sleeping on) a line
-        assert all(line.strip().isdigit() for line in lines), (lines, main.poll(), main.stderr.read())
+        if not all(line.strip().isdigit() for line in lines):
+            main.kill()   # its stderr ends only when it does
+            pytest.fail(f"the workers did not say who they are: {lines}, main's stderr: {main.stderr.read()}")
         workers = [int(line) for line in lines]
         main.kill()
         main.wait(timeout=30)
@@ -399,36 +402,69 @@ def test_an_interrupt_stops_every_worker(tmp_path, monkeypatch, one_line_chunks)
     # no_worker_outlives_the_test checks that the pool is gone.
 
 
-# --- hartsc --------------------------------------------------------------------------------------
+# --- hartsc and harts check ------------------------------------------------------------------------
 
-def test_hartsc_writes_the_same_plan_with_read_workers(tmp_path, monkeypatch):
-    monkeypatch.setattr(read_trees_module, "_CHUNK_BYTES", 2000)
+def _forty_trees(tmp_path, tail: int = 0):
+    """Forty trajectories in ten trees (tail shifts every trajectory's last token)."""
     records = [{"id": f"t{k}", "tree": k // 4, "advantages": k / 10,
-                "tokens": list(range(1, 60)) + [100 + 7 * k + j for j in range(k % 9 + 2)]} for k in range(40)]
-    trees = tmp_path / "trees.jsonl"
+                "tokens": list(range(1, 60)) + [100 + 7 * k + j + tail for j in range(k % 9 + 2)]} for k in range(40)]
+    trees = tmp_path / f"trees{tail}.jsonl"
     trees.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return trees
+
+
+@pytest.fixture
+def asked_workers(monkeypatch):
+    """The `workers` each read_trees call is given (small chunks, so two workers both parse)."""
+    monkeypatch.setattr(read_trees_module, "_CHUNK_BYTES", 2000)
     real, asked = read_trees_module.read_trees, []
 
     def spy(*args, **kwargs):
         asked.append(kwargs.get("workers"))
         return real(*args, **kwargs)
     monkeypatch.setattr(read_trees_module, "read_trees", spy)
+    return asked
+
+
+def test_hartsc_writes_the_same_plan_with_read_workers(tmp_path, asked_workers):
+    trees = _forty_trees(tmp_path)
     plans = []
     for workers in ("1", "2"):
         plan = tmp_path / f"w{workers}.plan"
         assert hartsc_main([str(trees), "-o", str(plan), "--dp", "2", "--capacity", "256", "--chunk-size", "8",
                             "--read-workers", workers]) == 0
         plans.append(plan.read_bytes())
-    assert asked == [1, 2] and plans[0] == plans[1]
+    assert asked_workers == [1, 2] and plans[0] == plans[1]
+
+
+def test_harts_check_reads_trees_with_read_workers(tmp_path, capsys, asked_workers):
+    """The same verdicts for any --read-workers: a plan matches its own trees and not another step's."""
+    trees, other = _forty_trees(tmp_path), _forty_trees(tmp_path, tail=3)
+    plan = tmp_path / "step.plan"
+    assert hartsc_main([str(trees), "-o", str(plan), "--dp", "2", "--capacity", "256", "--read-workers", "1"]) == 0
+    asked_workers.clear()
+    capsys.readouterr()
+    verdicts = []
+    for workers in ("1", "2"):
+        assert check_main([str(plan), "--trees", str(trees), "--read-workers", workers]) == 0
+        assert check_main([str(plan), "--trees", str(other), "--read-workers", workers]) == 1
+        out, err = capsys.readouterr()
+        verdicts.append((out, err))
+    assert asked_workers == [1, 1, 2, 2] and verdicts[0] == verdicts[1]
+    assert ": ok (" in verdicts[0][0] and "token" in verdicts[0][1] and "fix:" in verdicts[0][1]
 
 
 @pytest.mark.parametrize("value, says", [("0", "must be >= 1, got 0"), ("-3", "must be >= 1"),
                                          ("two", "must be an integer or auto, got 'two'"), ("1000", "must be <= 256")])
-def test_hartsc_refuses_a_bad_read_workers_in_one_line(tmp_path, capsys, value, says):
+@pytest.mark.parametrize("command", ["hartsc", "harts check"])
+def test_a_bad_read_workers_is_refused_in_one_line(tmp_path, capsys, value, says, command):
     trees = write(tmp_path, [GOOD])
-    assert hartsc_main([str(trees), "-o", str(tmp_path / "p.plan"), "--read-workers", value]) == 2
+    if command == "hartsc":
+        assert hartsc_main([str(trees), "-o", str(tmp_path / "p.plan"), "--read-workers", value]) == 2
+    else:   # refused before the plan, absent here, is read
+        assert check_main([str(tmp_path / "absent.plan"), "--trees", str(trees), "--read-workers", value]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("hartsc: ") and f"--read-workers {says}" in err and "fix:" in err
+    assert "\n" not in err and err.startswith(f"{command}: ") and f"--read-workers {says}" in err and "fix:" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trees.jsonl"]
 
 

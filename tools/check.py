@@ -1,9 +1,11 @@
-"""`harts check PLAN [--trees TREES]`: verify every plan invariant (`harts.schema.plan_invariants`)."""
+"""`harts check PLAN [--trees TREES] [--read-workers N]`: verify every plan invariant
+(`harts.schema.plan_invariants`)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from harts.compiler.read_workers import add_read_workers_argument, read_workers
 from harts.schema.errors import HartsError, VerificationError
 from harts.schema.plan import read_plan
 from harts.schema.plan_invariants import check_plan, check_step_counts, check_step_matches
@@ -18,13 +20,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("plan", help="plan file written by hartsc")
     parser.add_argument("--trees", help="the trees.jsonl[.zst] the plan was compiled from: also check every token, "
                                         "the ids, trees and RL fields (masks, advantages, log-probabilities)")
+    add_read_workers_argument(parser, "harts check", "what is checked is the same")
     args = parser.parse_args(argv)
     try:
+        # A bad --read-workers is refused before the plan (seconds at scale) is read.
+        workers = read_workers(args.read_workers, args.trees) if args.trees else 1
         plan = read_plan(args.plan)
         batch = None
         if args.trees:
             from harts.compiler.read_trees import read_trees
-            batch = read_trees(args.trees)
+            batch = read_trees(args.trees, workers=workers)
         check_plan(plan, *((batch.tokens, batch.token_offsets) if batch else ()))
         check_step_counts(plan)
         if batch:
