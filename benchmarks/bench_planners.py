@@ -57,7 +57,10 @@ The cost balance is compared with the most that re-placing the plan's own
 consumers could give if each kept its cost: each window's consumers sorted
 by cost and dealt D to a slot (`regrouped`). When that is close to the
 plan's balance, what limits it is the spread of the consumers' costs, not
-where they were placed.
+where they were placed. The points the cost balance loses are split into
+each step's first slot, middle slots, last slot and producers
+(`balance_loss`): the first slot holds the step's heaviest consumers, the
+last one what is left over.
 """
 from __future__ import annotations
 
@@ -152,6 +155,23 @@ def run(batch: TrajectoryBatch, options: CompileOptions) -> dict | None:
     return stats
 
 
+def balance_loss(steps: list[dict]) -> dict[str, float]:
+    """Where the pooled cost balance falls short of 1, in its points: 1 - balance is the sum over slots and
+    producers of (max - mean) over replicas, divided by the sum of their maxima. Split into each step's first
+    slot (its heaviest consumers), last slot (what is left over), the slots between, and the producers."""
+    parts = dict.fromkeys(("first slot", "middle slots", "last slot", "producers"), 0.0)
+    maxima = 0.0
+    for step in steps:
+        _, _, cost, producers = step["arrays"]
+        lead = cost.max(axis=0) - cost.mean(axis=0)
+        parts["first slot"] += lead[0]
+        parts["last slot"] += lead[-1] if len(lead) > 1 else 0.0
+        parts["middle slots"] += lead[1:-1].sum()
+        parts["producers"] += (producers.max(axis=0) - producers.mean(axis=0)).sum()
+        maxima += cost.max(axis=0).sum() + producers.max(axis=0).sum()
+    return {name: value / maxima for name, value in parts.items()}
+
+
 def combine(steps: list[dict]) -> dict:
     """Pool one planner's steps as the paper's Tables 4 and 5 do over ten steps.
 
@@ -171,6 +191,7 @@ def combine(steps: list[dict]) -> dict:
                                           cost_producers),
         "balance_p5": balance_percentile(work, producers),
         "cost_balance_p5": balance_percentile(cost, cost_producers),
+        "cost_balance_loss": balance_loss(steps),
         "step_total_balance": min(s["step_total_balance"] for s in steps),
         "slots": sum(s["slots"] for s in steps),
         "windows": sum(s["windows"] for s in steps),
@@ -270,7 +291,9 @@ def main() -> None:
                      f"the shared prefix once per replica)"),
                     (kind, f"balance >= {TARGET_BALANCE:.0%}", l2["balance"] >= TARGET_BALANCE,
                      f"{l2['balance']:.2%} in tokens ({l2['cost_balance']:.2%} in L2's cost model; "
-                     f"{l2['regrouped_cost_balance']:.2%} at most, these consumers' costs regrouped by size)"),
+                     f"{l2['regrouped_cost_balance']:.2%} at most, these consumers' costs regrouped by size; "
+                     "cost points lost: " + ", ".join(f"{100 * v:.2f} {k}" for k, v in l2["cost_balance_loss"].items())
+                     + ")"),
                     (kind, f"balance P5 >= {TARGET_P5:.0%}", l2["balance_p5"] >= TARGET_P5,
                      f"{l2['balance_p5']:.2%} in tokens ({l2['cost_balance_p5']:.2%} in L2's cost model)"),
                     (kind, f"L1+L2 planning < {TARGET_SECONDS} s per step",

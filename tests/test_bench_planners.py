@@ -102,3 +102,21 @@ def test_regrouped_is_the_least_sum_of_slot_maxima_of_each_window(seed):
 def test_regrouped_balance_bounds_the_plans_own(two_steps):
     pooled = bench_planners.combine(two_steps)
     assert pooled["cost_balance"] <= pooled["regrouped_cost_balance"] + 1e-12
+
+
+def test_balance_loss_parts_add_up_to_what_the_cost_balance_lacks(two_steps):
+    pooled = bench_planners.combine(two_steps)
+    parts = pooled["cost_balance_loss"]
+    assert set(parts) == {"first slot", "middle slots", "last slot", "producers"}
+    assert min(parts.values()) >= 0
+    assert sum(parts.values()) == pytest.approx(1 - pooled["cost_balance"])
+
+
+def test_balance_loss_splits_a_hand_grid_by_slot():
+    # Two replicas, three slots and one producer: leads (max - mean) 1, 0, 2 and 3 over maxima 4+2+6+9 = 21.
+    cost = np.array([[4, 2, 6], [2, 2, 2]])
+    producers = np.array([[9], [3]])
+    step = {"arrays": (cost, producers, cost, producers)}
+    assert bench_planners.balance_loss([step]) == pytest.approx(
+        {"first slot": 1 / 21, "middle slots": 0.0, "last slot": 2 / 21, "producers": 3 / 21})
+    assert sum(bench_planners.balance_loss([step]).values()) == pytest.approx(1 - balance(cost, producers))
