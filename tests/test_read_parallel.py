@@ -454,6 +454,16 @@ def test_harts_check_reads_trees_with_read_workers(tmp_path, capsys, asked_worke
     assert ": ok (" in verdicts[0][0] and "token" in verdicts[0][1] and "fix:" in verdicts[0][1]
 
 
+def test_harts_check_says_read_workers_needs_trees(tmp_path, capsys):
+    plan = tmp_path / "step.plan"
+    assert hartsc_main([str(_forty_trees(tmp_path)), "-o", str(plan), "--dp", "2", "--capacity", "256"]) == 0
+    capsys.readouterr()
+    assert check_main([str(plan), "--read-workers", "2"]) == 0
+    assert capsys.readouterr().err == "harts check: warning: --read-workers has no effect without --trees\n"
+    assert check_main([str(plan)]) == 0 and capsys.readouterr().err == ""
+    assert check_main([str(plan), "--read-workers", "0"]) == 2   # still refused: the value is wrong either way
+
+
 @pytest.mark.parametrize("value, says", [("0", "must be >= 1, got 0"), ("-3", "must be >= 1"),
                                          ("two", "must be an integer or auto, got 'two'"), ("1000", "must be <= 256")])
 @pytest.mark.parametrize("command", ["hartsc", "harts check"])

@@ -24,7 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         # A bad --read-workers is refused before the plan (seconds at scale) is read.
-        workers = read_workers(args.read_workers, args.trees) if args.trees else 1
+        workers = read_workers(args.read_workers, args.trees or "")
+        if args.read_workers != "auto" and not args.trees:
+            print("harts check: warning: --read-workers has no effect without --trees", file=sys.stderr)
         plan = read_plan(args.plan)
         batch = None
         if args.trees:
