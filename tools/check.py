@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     add_read_workers_argument(parser, "harts check", "what is checked is the same")
     args = parser.parse_args(argv)
     try:
-        # A bad --read-workers is refused before the plan (seconds at scale) is read.
+        # A bad --read-workers is refused before the plan (seconds at scale) is read, with or without --trees
+        # (without it, auto has no file to size: an unreadable path gives 1).
         workers = read_workers(args.read_workers, args.trees or "")
         if args.read_workers != "auto" and not args.trees:
             print("harts check: warning: --read-workers has no effect without --trees", file=sys.stderr)
